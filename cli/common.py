@@ -1,0 +1,44 @@
+"""Shared CLI plumbing: params loading with overrides, and the one-line error contract (exit code 2)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from schemas.errors import SmdInputError
+from schemas.params import Params, load_params
+
+console = Console(stderr=True)
+T = TypeVar("T")
+
+ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="params.yaml to read (single source of truth).")]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-S", help="Override any parameter: section.key=value (repeatable), e.g. -S learner.kl_lambda=0.2."),
+]
+
+
+def load(params: Path, overrides: list[str] | None) -> Params:
+    return guarded(lambda: load_params(params, overrides))
+
+
+def guarded(fn: Callable[[], T]) -> T:
+    """Run a stage entry; bad input becomes one line on stderr and exit code 2."""
+    try:
+        return fn()
+    except SmdInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise typer.Exit(code=2) from None
+
+
+def echo_written(written: Any) -> None:
+    if isinstance(written, dict):
+        for key, value in written.items():
+            console.print(f"[green]wrote[/green] {key}: {value}")
+    elif written is not None:
+        console.print(f"[green]wrote[/green] {written}")

@@ -1,0 +1,34 @@
+"""The `smdctl` Typer app. Each command lives in its own module and only parses and calls a stage."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="smdctl",
+    help="Shadow Mask Distillation: on-policy RL post-training under a compressed KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+
+@app.callback()
+def main() -> None:
+    """smdctl: run one pipeline stage; parameters come from params.yaml (override with -S key=value)."""
+
+
+# One module per command (or command group); each exposes register(app).
+COMMAND_MODULES = [
+    "cli.init_model",
+]
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+if __name__ == "__main__":
+    app()

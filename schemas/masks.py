@@ -1,0 +1,131 @@
+"""The shadow-mask contract (DESIGN §4–5): encoding, budget rule and the raw mask store.
+
+Encoding. Eviction is monotone, so the [query x key] mask of one sequence, layer and KV head is one
+integer per key: `evict_at[k]` = the first query position that can no longer see key k. A key never
+evicted carries the sentinel `T` (the row's length: no query of the row reaches it). Query q sees key k
+iff `k <= q and evict_at[k] > q`. Positions are token indices of the unpadded row (prompt + response).
+
+Raw store (`masks.raw.zarr`, written by rollout): a Zarr v3 group with one subgroup per shard
+(`shard-00000`, ...), each holding ragged rows on a flat token axis:
+  evict_at   int32 [tokens, layers, kv_heads]
+  offsets    int64 [rows + 1]      row r = tokens offsets[r]:offsets[r+1]
+  mask_row   int64 [rows]          the trajectory table's `mask_row` of each row
+  prompt_len int32 [rows]          prefill length (prefill queries attend densely)
+Group and shard attributes: schema_version, kind, num_layers, num_kv_heads, eviction (the config).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+
+MASK_SCHEMA_VERSION = "1"
+RAW_KIND = "raw_masks"
+
+
+def protected_tokens(eviction: dict[str, Any]) -> int:
+    """Keys a policy never evicts: attention sinks plus the recent window (0 for `dense`)."""
+    if eviction["policy"] == "dense":
+        return 0
+    return int(eviction["sinks"]) + int(eviction["window"])
+
+
+def budget(n: int, eviction: dict[str, Any]) -> int:
+    """Most keys a layer/head may hold once n tokens have entered the cache (see EvictionParams)."""
+    if eviction["policy"] == "dense":
+        return n
+    b = max(protected_tokens(eviction), math.ceil(float(eviction["keep_ratio"]) * n - 1e-9))
+    if eviction.get("max_tokens") is not None:
+        b = min(b, int(eviction["max_tokens"]))
+    return min(n, b)
+
+
+def visibility(evict_at: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """Boolean [..., q, k] mask from evict_at [..., T] (key axis last): k <= q and evict_at[k] > q.
+
+    With `length` < T the extra (padding) positions see only themselves, so softmax stays finite.
+    """
+    T = evict_at.shape[-1]
+    pos = torch.arange(T, device=evict_at.device)
+    vis = (pos[None, :] <= pos[:, None]) & (evict_at.unsqueeze(-2) > pos[:, None])
+    if length is not None and length < T:
+        pad = pos >= length
+        vis = vis & ~pad[None, :]
+        vis = vis | (torch.eye(T, dtype=torch.bool, device=evict_at.device) & pad[:, None])
+    return vis
+
+
+def visible_counts(evict_at: np.ndarray) -> np.ndarray:
+    """Keys visible to each query: evict_at [T, ...] -> counts [T, ...] (O(T log T) per column)."""
+    T = evict_at.shape[0]
+    # query q sees #{k <= q} - #{k <= q : evict_at[k] <= q}
+    ends = np.clip(evict_at, 0, T).reshape(T, -1)
+    hist = np.zeros((T + 1, ends.shape[1]), dtype=np.int64)
+    np.add.at(hist, (ends, np.arange(ends.shape[1])[None, :].repeat(T, 0)), 1)
+    evicted_by = np.cumsum(hist, axis=0)[:T]  # number of keys with evict_at <= q
+    seen = np.arange(1, T + 1)[:, None]
+    return (seen - evicted_by).reshape(evict_at.shape)
+
+
+def write_raw_masks(
+    path: str | Path,
+    shards: list[dict[str, np.ndarray]],
+    num_layers: int,
+    num_kv_heads: int,
+    eviction: dict[str, Any],
+) -> Path:
+    """Write raw shards (dicts with evict_at, offsets, mask_row, prompt_len) atomically."""
+    attrs = {
+        "schema_version": MASK_SCHEMA_VERSION,
+        "kind": RAW_KIND,
+        "num_layers": int(num_layers),
+        "num_kv_heads": int(num_kv_heads),
+        "eviction": dict(eviction),
+    }
+    with atomic_path(path) as tmp:
+        root = zarr.open_group(str(tmp), mode="w")
+        root.attrs.update({**attrs, "num_shards": len(shards)})
+        for i, shard in enumerate(shards):
+            g = root.create_group(f"shard-{i:05d}")
+            g.attrs.update(attrs)
+            for name, dtype in (("evict_at", np.int32), ("offsets", np.int64), ("mask_row", np.int64), ("prompt_len", np.int32)):
+                arr = np.ascontiguousarray(shard[name], dtype=dtype)
+                g.create_array(name, data=arr, chunks=arr.shape if arr.size else None)
+    return Path(path)
+
+
+def read_raw_masks(path: str | Path) -> tuple[dict[str, Any], list[dict[str, np.ndarray]]]:
+    """Return (group attrs, shards) of a raw store; one clear line if it is missing or malformed."""
+    path = Path(path)
+    if not path.exists():
+        raise SmdInputError(f"{path}: missing raw mask store")
+    try:
+        root = zarr.open_group(str(path), mode="r")
+        attrs = dict(root.attrs)
+    except Exception as exc:  # noqa: BLE001
+        raise SmdInputError(f"{path}: not a readable Zarr group ({exc.__class__.__name__})") from exc
+    if attrs.get("kind") != RAW_KIND:
+        raise SmdInputError(f"{path}: kind: expected {RAW_KIND}, found {attrs.get('kind')}")
+    if attrs.get("schema_version") != MASK_SCHEMA_VERSION:
+        raise SmdInputError(f"{path}: schema_version: {attrs.get('schema_version')} but this smd reads {MASK_SCHEMA_VERSION}")
+    shards = []
+    for name in sorted(k for k in root.group_keys() if k.startswith("shard-")):
+        g = root[name]
+        shard: dict[str, Any] = {"name": name, "attrs": dict(g.attrs)}
+        for field in ("evict_at", "offsets", "mask_row", "prompt_len"):
+            try:
+                shard[field] = g[field][...]
+            except Exception as exc:  # noqa: BLE001
+                raise SmdInputError(f"{path}/{name}/{field}: unreadable ({exc.__class__.__name__})") from exc
+        shards.append(shard)
+    if not shards:
+        raise SmdInputError(f"{path}: no shards")
+    return attrs, shards

@@ -1,0 +1,32 @@
+"""`model:` section: which policy to start from and the shape of the tiny default model."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TinyModelParams(BaseModel):
+    """Shape of the tiny Qwen3-architecture model that `smdctl init-model` builds from a config."""
+
+    model_config = ConfigDict(extra="forbid")
+    hidden_size: int = Field(128, ge=8, description="Residual width.")
+    num_hidden_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(2, ge=1, description="KV heads (GQA when smaller than query heads).")
+    head_dim: int = Field(32, ge=4, description="Per-head dimension.")
+    intermediate_size: int = Field(384, ge=8, description="MLP width.")
+    max_position_embeddings: int = Field(8192, ge=64, description="Longest sequence (prompt + response).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
+
+
+class ModelParams(BaseModel):
+    """Where the initial policy comes from."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_path: str = Field(
+        "artifacts/model/init",
+        description="Hugging Face model directory of the initial policy. `smdctl init-model` writes the tiny "
+        "default here; point it at any causal-LM directory (e.g. Qwen3-4B-Instruct-2507) to use that instead.",
+    )
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="Compute dtype.")
+    tiny: TinyModelParams = TinyModelParams()

@@ -1,0 +1,54 @@
+"""`rollout:` section: sampling and the evicting KV cache."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+POLICIES = ("dense", "snapkv", "h2o", "recent", "random")
+
+
+class EvictionParams(BaseModel):
+    """KV-cache compression used while sampling.
+
+    Budget semantics: after n tokens have entered a sequence's cache, every layer/KV head holds at most
+    budget(n) = min(n, max(protected, ceil(keep_ratio * n))) keys, further capped by `max_tokens` when set,
+    where `protected` = sinks + window (the keys the policy never evicts). A query attends to exactly the
+    keys held when its attention runs (itself included). Prefill attends densely to the prompt; the cache is
+    compressed right after it (SnapKV semantics) and then after every decoding step.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    policy: str = Field("snapkv", description=f"Eviction policy, one of {POLICIES}.")
+    keep_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Fraction of seen tokens kept (0.5 = 50% compression).")
+    max_tokens: int | None = Field(None, ge=1, description="Absolute cap on cached tokens per layer/head (None = no cap).")
+    sinks: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
+    window: int = Field(16, ge=1, description="Most recent tokens always kept; SnapKV's observation window.")
+    pooling_kernel: int = Field(7, ge=1, description="SnapKV: max-pool kernel over key scores (odd).")
+    seed: int = Field(0, ge=0, description="Seed of the `random` policy.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvictionParams:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.max_tokens is not None and self.policy != "dense" and self.max_tokens < self.sinks + self.window + 1:
+            raise ValueError(
+                f"max_tokens={self.max_tokens} is smaller than sinks + window + 1 = {self.sinks + self.window + 1}"
+            )
+        if self.pooling_kernel % 2 == 0:
+            raise ValueError("pooling_kernel must be odd")
+        return self
+
+
+class RolloutParams(BaseModel):
+    """Sampling G responses per prompt (one GRPO group) with an evicting cache."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompts_per_iteration: int = Field(32, ge=1, description="Train prompts sampled per iteration.")
+    group_size: int = Field(4, ge=2, description="Responses per prompt (G); GRPO needs at least 2.")
+    max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs are of this distribution.")
+    top_k: int = Field(0, ge=0, description="0 = off (default: truncation biases ratios).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off.")
+    batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
+    shard_rows: int = Field(0, ge=0, description="Rows per raw-mask shard (0 = one shard).")
+    eviction: EvictionParams = EvictionParams()

@@ -1,0 +1,35 @@
+"""Vocabulary of the tiny default word-level tokenizer.
+
+Synthetic tasks write only these words (a test checks that they tokenize without [UNK]); real data
+sets still load (unknown words become [UNK]) and real models bring their own tokenizers.
+"""
+
+from __future__ import annotations
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
+DIGITS = [str(d) for d in range(10)]
+PUNCTUATION = list(".,:;?!=+-*/#()'\"$%&<>[]{}|_")
+LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+# Words used by the synthetic tasks and common short English words.
+WORDS = """
+the a an of to and in is was are be it that this for on with as at by from or not
+key keys value values query queries answer question what which who where when how many much
+var vars variable variables let set assign equals copy
+total left has have had buys buy sells sell gives give gets get more less each every per
+apple apples pen pens book books coin coins cookie cookies marble marbles egg eggs box boxes
+tom ann bob eve sam kim lee max joe amy
+then so now after before finally therefore
+context document note notes find return list
+red blue green yellow black white
+cat dog bird fish lion bear wolf fox owl frog
+moon sun star sky river lake hill tree rock sand
+""".split()
+
+
+def tiny_vocabulary() -> list[str]:
+    """Token strings in id order; ids are stable for a given list."""
+    seen: dict[str, None] = {}
+    for token in SPECIAL_TOKENS + DIGITS + PUNCTUATION + LETTERS + WORDS:
+        seen.setdefault(token, None)
+    return list(seen)
