@@ -1,0 +1,89 @@
+"""Shadow attention: replay the rollout's shadow mask inside the learner's attention (DESIGN §3–4).
+
+Registered as a transformers attention implementation (`smd_shadow`). The forward receives the
+per-layer `evict_at` through a forward kwarg, and each layer masks evicted keys with -inf before the
+softmax, so the learner's policy equals the policy that sampled.
+
+Backends:
+- `sdpa` (reference): an explicit per-head boolean mask [B, H, T, T] built per layer from evict_at.
+- `flex`: FlexAttention with a BlockMask built from evict_at (mask memory O(T) plus O((T/block)^2)
+  block indices; fully masked blocks are skipped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from schemas.masks import visibility
+
+SHADOW_ATTENTION = "smd_shadow"
+
+
+def pad_evict_at(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Stack per-row evict_at [T_i, L, H] into [L, B, H, T]; padding key k gets k+1 (seen only by itself)."""
+    L, H = rows[0].shape[1:]
+    out = (torch.arange(T, dtype=torch.int64) + 1).view(1, 1, 1, T).repeat(L, len(rows), H, 1)
+    for b, r in enumerate(rows):
+        out[:, b, :, : r.shape[0]] = torch.as_tensor(r, dtype=torch.int64).permute(1, 2, 0)
+    return out
+
+
+def shadow_mask(evict_at_layer: torch.Tensor) -> torch.Tensor:
+    """[B, H, T] -> bool [B, H, T, T]: query q sees key k iff k <= q and evict_at[k] > q."""
+    return visibility(evict_at_layer)
+
+
+def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
+    backend = kwargs.get("smd_backend", "sdpa")
+    layer = module.layer_idx
+    groups = query.shape[1] // key.shape[1]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if backend == "flex":
+        from stages.learner.flex_backend import flex_shadow_attention
+
+        out = flex_shadow_attention(query, key, value, evict_at[layer], scaling, kwargs.get("smd_block_masks"), layer)
+    else:
+        mask = shadow_mask(evict_at[layer]).repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SHADOW_ATTENTION, shadow_attention)
+
+
+def masked_forward_logits(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, backend: str = "sdpa",
+                          **extra) -> torch.Tensor:
+    """Logits of a right-padded batch [B, T]. With evict_at ([L, B, H, T]) the shadow mask is replayed;
+    with None this is the dense (full-context, causal) forward of the same weights."""
+    B, T = input_ids.shape
+    position_ids = torch.arange(T).unsqueeze(0).expand(B, T)
+    if evict_at is None:
+        # Causal attention; right padding never affects earlier (real) positions.
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = SHADOW_ATTENTION
+    try:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                     smd_evict_at=evict_at, smd_backend=backend, **extra).logits
+    finally:
+        model.config._attn_implementation = previous
+
+
+def response_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, prompt_lens: list[int], resp_lens: list[int],
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-response-token log-probs [B, R_max] (and a validity mask) of the sampling distribution."""
+    B = input_ids.shape[0]
+    R = max(resp_lens)
+    idx = torch.zeros(B, R, dtype=torch.long)
+    valid = torch.zeros(B, R, dtype=torch.bool)
+    for b in range(B):
+        idx[b, : resp_lens[b]] = torch.arange(resp_lens[b]) + prompt_lens[b] - 1
+        valid[b, : resp_lens[b]] = True
+    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
+    logp = torch.log_softmax(sel / temperature, dim=-1)
+    targets = torch.gather(input_ids, 1, (idx + 1).clamp(max=input_ids.shape[1] - 1))
+    out = logp.gather(-1, targets.unsqueeze(-1))[..., 0]
+    return out.masked_fill(~valid, 0.0), valid

@@ -1,0 +1,381 @@
+"""Batched sampling on Hugging Face transformers with an evicting KV cache and exact shadow-mask recording.
+
+How it plugs into transformers:
+- `EvictingCache` is a `transformers.Cache` whose layers keep a fixed number of physical slots per
+  (sequence, KV head): the budget at the longest length, never more. Keys are stored after RoPE, so an
+  evicted key's neighbours keep their original positions (decoding passes explicit `position_ids`).
+- The attention function `smd_rollout` (registered through `AttentionInterface`) masks empty slots,
+  computes the attention probabilities a policy asks for, lets the policy score the slots, and evicts
+  right after the layer's attention ran: a step's visible set is the cache content when it runs.
+- Every eviction writes `evict_at[layer, seq, head, pos] = query_pos + 1` (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from schemas.masks import budget, visible_counts
+from schemas.params.rollout import EvictionParams
+from stages.rollout.policies import EvictionPolicy, LayerSlots, evict, make_policy
+
+ROLLOUT_ATTENTION = "smd_rollout"
+_PREFILL_CHUNK = 512  # query chunk for attention-probability passes (bounds memory at long prompts)
+
+
+@dataclass
+class RolloutState:
+    """Everything the attention function needs to know about the current forward pass."""
+
+    policy: EvictionPolicy
+    eviction: dict[str, Any]
+    num_layers: int
+    num_kv_heads: int
+    capacity: int
+    prompt_lens: torch.Tensor  # [B]
+    evict_at: torch.Tensor  # [L, B, H, T_max] int32, -1 = never evicted
+    phase: str = "prefill"
+    prefill_mask: torch.Tensor | None = None  # [B, 1, P, P]
+    current_pos: torch.Tensor | None = None  # [B] position of the query being decoded
+    slots: list[LayerSlots | None] = field(default_factory=list)
+    peak_slots: int = 0  # most keys any (seq, layer, head) held between forward passes
+
+    def keep_after(self, n_seen: torch.Tensor) -> torch.Tensor:
+        """Keys that may stay cached so that the next query (n_seen + 1 tokens) sees <= budget."""
+        return torch.tensor([budget(int(n) + 1, self.eviction) - 1 for n in n_seen.tolist()])
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One layer's physical cache: keys/values [B, H, capacity, D] plus slot positions."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, state: RolloutState, layer_idx: int):
+        super().__init__()
+        self.state = state
+        self.layer_idx = layer_idx
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states, value_states):
+        B, H, _, D = key_states.shape
+        C = self.state.capacity
+        self.keys = key_states.new_zeros(B, H, C, D)
+        self.values = value_states.new_zeros(B, H, C, D)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        st = self.state
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if st.phase == "prefill":
+            # Attention runs over the full prompt; the kept keys are copied into the slots afterwards.
+            self.pending = (key_states, value_states)
+            return key_states, value_states
+        slots = st.slots[self.layer_idx]
+        free = slots.slot_pos < 0
+        slot_idx = free.to(torch.int8).argmax(dim=-1)  # first free slot per (b, h)
+        B, H = slot_idx.shape
+        b_idx = torch.arange(B).repeat_interleave(H)
+        h_idx = torch.arange(H).repeat(B)
+        s_idx = slot_idx.reshape(-1)
+        self.keys[b_idx, h_idx, s_idx] = key_states[:, :, 0].reshape(B * H, -1)
+        self.values[b_idx, h_idx, s_idx] = value_states[:, :, 0].reshape(B * H, -1)
+        slots.slot_pos[b_idx, h_idx, s_idx] = st.current_pos[b_idx]
+        st.policy.on_insert(self.layer_idx, slots, b_idx, h_idx, s_idx)
+        return self.keys, self.values
+
+    def finish_prefill(self, keep_idx: torch.Tensor) -> None:
+        """Copy the kept prompt keys (indices into the prompt axis, [B, H, C]) into the slots."""
+        k, v = self.pending
+        D = k.shape[-1]
+        idx = keep_idx.unsqueeze(-1).expand(-1, -1, -1, D)
+        self.keys.copy_(torch.gather(k, 2, idx))
+        self.values.copy_(torch.gather(v, 2, idx))
+        self.pending = None
+
+    def get_seq_length(self) -> int:
+        return 0 if self.state.current_pos is None else int(self.state.current_pos.max()) + 1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.state.capacity, 0
+
+    def get_max_length(self) -> int:
+        return self.state.capacity
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class EvictingCache(Cache):
+    def __init__(self, state: RolloutState):
+        super().__init__(layers=[EvictingLayer(state, i) for i in range(state.num_layers)])
+        self.state = state
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def _group_sum(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    B, Hq, Q, S = probs.shape
+    return probs.view(B, num_kv_heads, Hq // num_kv_heads, Q, S).sum(dim=2)
+
+
+def _manual_attention(query, key, value, mask, scaling):
+    """Attention that also returns the probabilities. mask: bool [B, Hq or 1, Q, S]."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, v), probs
+
+
+def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`smd_rollout` attention: masked attention over the evicting cache, then score and evict."""
+    st: RolloutState = kwargs["smd_rollout_state"]
+    layer = module.layer_idx
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    H = key.shape[1]
+    groups = query.shape[1] // H
+    need = st.policy.needs_attention
+
+    if st.phase == "prefill":
+        mask = st.prefill_mask  # [B, 1, P, P]
+        B, _, P, _ = mask.shape
+        attn_obs = None
+        if need == "all":
+            outs, colsum = [], None
+            for start in range(0, P, _PREFILL_CHUNK):
+                sl = slice(start, start + _PREFILL_CHUNK)
+                o, p = _manual_attention(query[:, :, sl], key, value, mask[:, :, sl], scaling)
+                outs.append(o)
+                part = _group_sum(p, H).sum(dim=2, keepdim=True)
+                colsum = part if colsum is None else colsum + part
+            out = torch.cat(outs, dim=2)
+            attn_obs = colsum
+        else:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+            if need == "window":
+                w = min(st.eviction["window"], P)
+                _, p = _manual_attention(query[:, :, -w:], key, value, mask[:, :, -w:], scaling)
+                attn_obs = _group_sum(p, H)
+        # Slots = the prompt positions (-1 for left padding).
+        pad = P - st.prompt_lens
+        pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)  # [B, P]
+        slot_pos = pos.masked_fill(pos < 0, -1).unsqueeze(1).expand(B, H, P).clone()
+        slots = LayerSlots(slot_pos=slot_pos)
+        st.policy.observe_prefill(layer, slots, attn_obs)
+        current = st.prompt_lens - 1
+        if st.policy.evicts:
+            keep = st.keep_after(st.prompt_lens)
+            sc = st.policy.scores(layer, slots)
+            evict(slots, sc, keep, current, st.eviction["sinks"], st.eviction["window"], st.evict_at[layer])
+        # Move valid slots to the front, then keep the first `capacity`.
+        valid = slots.slot_pos >= 0
+        order = torch.argsort(valid.to(torch.int8), dim=-1, descending=True, stable=True)[..., : st.capacity]
+        if order.shape[-1] < st.capacity:  # capacity larger than the prompt: pad with empty slots
+            extra = st.capacity - order.shape[-1]
+            order = torch.cat([order, order[..., :1].expand(-1, -1, extra)], dim=-1)
+            fill = torch.zeros(order.shape, dtype=torch.bool)
+            fill[..., -extra:] = True
+        else:
+            fill = None
+        new_pos = torch.gather(slots.slot_pos, -1, order)
+        if fill is not None:
+            new_pos = new_pos.masked_fill(fill, -1)
+        extras = {}
+        for name, t in slots.extra.items():
+            idx = order.view(*order.shape, *([1] * (t.dim() - 3))).expand(*order.shape, *t.shape[3:])
+            g = torch.gather(t, 2, idx)
+            if fill is not None:
+                g[fill] = 0
+            extras[name] = g
+        st.slots[layer] = LayerSlots(slot_pos=new_pos, extra=extras)
+        module_cache_layer = kwargs["smd_rollout_cache"].layers[layer]
+        module_cache_layer.finish_prefill(order)
+        st.peak_slots = max(st.peak_slots, int((new_pos >= 0).sum(-1).max()))
+        return out.transpose(1, 2).contiguous(), None
+
+    # Decode: one query per sequence over the slots.
+    slots = st.slots[layer]
+    valid = slots.slot_pos >= 0  # [B, H, C]
+    mask = valid.repeat_interleave(groups, dim=1).unsqueeze(2)  # [B, Hq, 1, C]
+    if need != "none":
+        out, probs = _manual_attention(query, key, value, mask, scaling)
+        st.policy.observe_decode(layer, slots, _group_sum(probs, H))
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    if st.policy.evicts:
+        n_seen = st.current_pos + 1
+        keep = st.keep_after(n_seen)
+        sc = st.policy.scores(layer, slots)
+        evict(slots, sc, keep, st.current_pos, st.eviction["sinks"], st.eviction["window"], st.evict_at[layer])
+    st.peak_slots = max(st.peak_slots, int((slots.slot_pos >= 0).sum(-1).max()))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ROLLOUT_ATTENTION, rollout_attention)
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Temporarily switch a model's attention implementation (restored on exit)."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield model
+    finally:
+        model.config._attn_implementation = previous
+
+
+@dataclass
+class SampleResult:
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    prompt_len: int
+    evict_at: np.ndarray  # [T, L, H] int32, sentinel T = never evicted
+    kv_peak_tokens: int
+    kv_dense_tokens: int
+
+
+@dataclass
+class BatchStats:
+    cache_bytes: int
+    dense_cache_bytes: int
+    generated_tokens: int
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None):
+    """Sample (or argmax when temperature == 0); return tokens and their log-probs under the used distribution."""
+    logits = logits.float()
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    eviction: EvictionParams,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    pad_token_id: int = 0,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[SampleResult], BatchStats]:
+    """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks."""
+    cfg = model.config
+    num_layers = cfg.num_hidden_layers
+    num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    ev = eviction.model_dump()
+    B = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    P = int(lens.max())
+    T_max = P + max_new_tokens
+    capacity = max(budget(int(n) + max_new_tokens, ev) for n in lens.tolist())
+    state = RolloutState(
+        policy=make_policy(eviction, num_layers),
+        eviction=ev,
+        num_layers=num_layers,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        prompt_lens=lens,
+        evict_at=torch.full((num_layers, B, num_kv, T_max), -1, dtype=torch.int32),
+        slots=[None] * num_layers,
+    )
+    cache = EvictingCache(state)
+
+    input_ids = torch.full((B, P), pad_token_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+    pad = P - lens
+    pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)
+    key_valid = pos >= 0
+    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    mask = causal.unsqueeze(0) & key_valid.unsqueeze(1)
+    mask = mask | torch.eye(P, dtype=torch.bool).unsqueeze(0)  # padding queries see themselves (finite softmax)
+    state.prefill_mask = mask.unsqueeze(1)
+    position_ids = pos.clamp(min=0)
+
+    kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
+    responses = [[] for _ in range(B)]
+    logprobs = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    finish = ["length"] * B
+    with attention_implementation(model, ROLLOUT_ATTENTION):
+        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+                    logits_to_keep=1, **kwargs)
+        state.phase = "decode"
+        for step in range(max_new_tokens):
+            tok, lp = _sample(out.logits[:, -1], temperature, top_k, top_p, generator)
+            for i in range(B):
+                if not done[i]:
+                    responses[i].append(int(tok[i]))
+                    logprobs[i].append(float(lp[i]))
+                    if eos_token_id is not None and int(tok[i]) == eos_token_id:
+                        done[i] = True
+                        finish[i] = "stop"
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            state.current_pos = lens + step
+            feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
+            out = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
+                        use_cache=True, **kwargs)
+
+    itemsize = next(model.parameters()).element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dense_capacity = P + max_new_tokens
+    stats = BatchStats(
+        cache_bytes=cache.nbytes(),
+        dense_cache_bytes=2 * num_layers * B * num_kv * dense_capacity * head_dim * itemsize,
+        generated_tokens=sum(len(r) for r in responses),
+    )
+    results = []
+    ev_np = state.evict_at.numpy()
+    for i in range(B):
+        P_i, R_i = int(lens[i]), len(responses[i])
+        T = P_i + R_i
+        e = ev_np[:, i, :, :T].transpose(2, 0, 1).astype(np.int64)  # [T, L, H]
+        e = np.where((e < 0) | (e > T), T, e).astype(np.int32)
+        counts = visible_counts(e)[P_i:] if R_i else np.zeros((1,), dtype=np.int64)
+        results.append(
+            SampleResult(
+                response_ids=responses[i],
+                logprobs=logprobs[i],
+                finish_reason=finish[i],
+                prompt_len=P_i,
+                evict_at=e,
+                kv_peak_tokens=int(counts.max()),
+                kv_dense_tokens=T,
+            )
+        )
+    return results, stats

@@ -1,0 +1,102 @@
+"""One interface for every KV eviction policy, and a registry (the way kvpress organises its presses).
+
+A policy only *scores* cache slots; the shared `evict` below applies the budget, protects attention
+sinks and the recent window, breaks ties deterministically and records the shadow mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from schemas.params.rollout import EvictionParams
+
+POLICY_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    POLICY_REGISTRY[cls.name] = cls
+    return cls
+
+
+def make_policy(cfg: EvictionParams, num_layers: int) -> EvictionPolicy:
+    return POLICY_REGISTRY[cfg.policy](cfg, num_layers)
+
+
+@dataclass
+class LayerSlots:
+    """Per-layer view handed to a policy: slot positions and the policy's own per-slot tensors."""
+
+    slot_pos: torch.Tensor  # [B, H, S] original token position of each slot, -1 = empty
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot state, last dim(s) start with S
+
+
+class EvictionPolicy:
+    """Base class. Subclasses set `name`, `needs_attention`, and implement `scores`.
+
+    needs_attention: "none" (scores from positions alone), "window" (attention of the last `window`
+    prefill queries) or "all" (attention of every query). The engine computes only what is asked.
+    """
+
+    name: ClassVar[str] = ""
+    needs_attention: ClassVar[str] = "none"
+    evicts: ClassVar[bool] = True
+
+    def __init__(self, cfg: EvictionParams, num_layers: int):
+        self.cfg = cfg
+        self.num_layers = num_layers
+
+    # Hooks (no-ops by default) -------------------------------------------------------------
+    def observe_prefill(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None) -> None:
+        """attn: [B, H_kv, Q, S] attention summed over each GQA group (None if not needed)."""
+
+    def observe_decode(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None) -> None:
+        """attn: [B, H_kv, 1, S] for the token just decoded (None if not needed)."""
+
+    def on_insert(self, layer: int, slots: LayerSlots, batch_idx: torch.Tensor, head_idx: torch.Tensor,
+                  slot_idx: torch.Tensor) -> None:
+        """A new key was written into (batch, head, slot); reset that slot's per-slot state."""
+        for t in slots.extra.values():
+            t[batch_idx, head_idx, slot_idx] = 0
+
+    def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
+        """[B, H, S] float; higher = more worth keeping."""
+        raise NotImplementedError
+
+
+def evict(
+    slots: LayerSlots,
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    current_pos: torch.Tensor,
+    sinks: int,
+    window: int,
+    evict_at: torch.Tensor,
+) -> torch.Tensor:
+    """Evict down to `keep[b]` slots per (b, h), record `evict_at`, return the number of evictions.
+
+    Protected (never evicted): positions < sinks and the window-1 most recent positions (with the next
+    token they form the recent window the next query sees). Among the rest, lowest score goes first;
+    ties evict the oldest position. `evict_at[b, h, pos] = current_pos[b] + 1` for every evicted key.
+    """
+    pos = slots.slot_pos
+    valid = pos >= 0
+    cur = current_pos.view(-1, 1, 1)
+    protected = valid & ((pos < sinks) | (pos > cur - (window - 1)))
+    key = scores.to(torch.float64).masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
+    # Deterministic tie-break: sort by position (newest first), then stable sort by score (highest first).
+    by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
+    key_sorted = torch.gather(key, -1, by_pos)
+    by_score = torch.argsort(key_sorted, dim=-1, descending=True, stable=True)
+    order = torch.gather(by_pos, -1, by_score)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    victims = valid & (rank >= keep.view(-1, 1, 1))
+    if not bool(victims.any()):
+        return torch.zeros((), dtype=torch.long)
+    b_idx, h_idx, s_idx = victims.nonzero(as_tuple=True)
+    evict_at[b_idx, h_idx, pos[b_idx, h_idx, s_idx]] = (current_pos[b_idx] + 1).to(evict_at.dtype)
+    pos[b_idx, h_idx, s_idx] = -1
+    return victims.sum()
