@@ -1,0 +1,42 @@
+"""Test helpers shared across test modules (tiny models, prompt tables, rollout-to-learner batches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from schemas.params.model import TinyModelParams
+from stages.learner.shadow_attention import pad_evict_at
+
+SHAPES = {
+    "gqa": TinyModelParams(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=128, max_position_embeddings=512),
+    "mha": TinyModelParams(hidden_size=48, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+                           head_dim=16, intermediate_size=96, max_position_embeddings=512),
+}
+
+
+def make_model_dir(root: Path, shape: str = "gqa", seed: int = 0) -> Path:
+    from stages.model import init_tiny_model
+
+    return init_tiny_model(SHAPES[shape], root / f"model-{shape}", seed=seed)
+
+
+def random_prompts(lengths, vocab_low: int = 4, vocab_high: int = 120, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab_low, vocab_high, (n,), generator=g).tolist() for n in lengths]
+
+
+def replay_batch(prompts, results):
+    """Right-padded [B, T] ids and [L, B, H, T] evict_at for a learner forward over rollout results."""
+    seqs = [p + r.response_ids for p, r in zip(prompts, results)]
+    T = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    evict_at = pad_evict_at([torch.from_numpy(r.evict_at) for r in results], T)
+    rec = torch.zeros(len(seqs), max(len(r.logprobs) for r in results))
+    for b, r in enumerate(results):
+        rec[b, : len(r.logprobs)] = torch.tensor(r.logprobs)
+    return ids, evict_at, rec

@@ -1,0 +1,463 @@
+"""Objective math on tiny tensors against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from schemas.errors import SmdInputError
+from schemas.params import load_params
+from schemas.params.learner import LearnerParams
+from stages.learner.objectives import (
+    aggregate,
+    dense_teacher_kl,
+    dense_teacher_kl_per_token,
+    group_advantages,
+    objective_kwargs,
+    objective_loss,
+    policy_loss,
+    reference_kl,
+    sparse_rl_rejection,
+    tis_weights,
+    token_logprobs,
+)
+
+LN = math.log
+T = torch.tensor
+
+
+# ------------------------------------------------------------------------------------ group advantages
+def test_equal_reward_group_is_exactly_zero_and_two_element_group_by_hand():
+    rewards = T([0.1, 0.1, 0.1, 1.0, 0.0])
+    adv = group_advantages(rewards, T([0, 0, 0, 1, 1]))
+    assert torch.isfinite(adv).all()
+    assert (adv[:3] == 0).all()  # exactly, although (0.1+0.1+0.1)/3 != 0.1 in floating point
+    # group {1, 0}: mean 0.5, unbiased std sqrt(((0.5)^2 + (0.5)^2) / 1) = sqrt(0.5)
+    expected = 0.5 / (math.sqrt(0.5) + 1e-6)
+    assert adv[3].item() == pytest.approx(expected, rel=1e-6)
+    assert adv[4].item() == pytest.approx(-expected, rel=1e-6)
+
+
+def test_group_size_and_unordered_group_ids_agree():
+    rewards = T([0.0, 1.0, 2.0, 5.0, 5.0, 5.0])
+    by_size = group_advantages(rewards, group_size=3)
+    # group [0, 1, 2]: mean 1, unbiased std 1
+    assert by_size.tolist()[:3] == pytest.approx([-1 / (1 + 1e-6), 0.0, 1 / (1 + 1e-6)])
+    assert by_size.tolist()[3:] == [0.0, 0.0, 0.0]
+    ids = T([9, 9, 9, 3, 3, 3])
+    perm = T([3, 0, 5, 1, 4, 2])
+    by_ids = group_advantages(rewards[perm], ids[perm])
+    assert torch.allclose(by_ids, by_size[perm])
+
+
+def test_advantage_scale_none_and_singletons():
+    adv = group_advantages(T([1.0, 3.0, 7.0]), T([0, 0, 1]), scale="none")
+    assert adv.tolist() == [-1.0, 1.0, 0.0]  # singleton group: no baseline, no signal
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_reward_is_rejected(bad):
+    with pytest.raises(SmdInputError, match="rewards: 1 non-finite"):
+        group_advantages(T([1.0, bad]), group_size=2)
+
+
+def test_group_arguments_are_validated():
+    with pytest.raises(SmdInputError):
+        group_advantages(T([1.0, 2.0, 3.0]), group_size=2)
+    with pytest.raises(SmdInputError):
+        group_advantages(T([1.0, 2.0]))
+    with pytest.raises(SmdInputError):
+        group_advantages(T([1.0, 2.0]), T([0, 0, 1]))
+    with pytest.raises(SmdInputError):
+        group_advantages(T([1.0, 2.0]), group_size=2, scale="rank")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3), min_size=4, max_size=12).filter(lambda xs: len(xs) % 2 == 0))
+def test_advantages_are_finite_and_centred(values):
+    adv = group_advantages(T(values, dtype=torch.float64), group_size=2)
+    assert torch.isfinite(adv).all()
+    assert adv.view(-1, 2).sum(-1).abs().max() < 1e-9
+
+
+# ---------------------------------------------------------------------------------------- policy loss
+def test_clipping_region_values_and_gradients():
+    # one token per sequence, old_logp = 0, so ratio = exp(logp)
+    logp = T([[LN(1.5)], [LN(1.5)], [LN(0.5)], [LN(0.5)]], requires_grad=True)
+    adv = T([1.0, -1.0, 1.0, -1.0])
+    loss, stats = policy_loss(logp, torch.zeros(4, 1), adv, torch.ones(4, 1))
+    # per token -min(r A, clip(r) A): [-1.2 (clipped), 1.5, -0.5, 0.8 (clipped)], token mean over 4
+    assert loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 4)
+    loss.backward()
+    # d/dlogp (-r A) = -A r where unclipped, 0 where clipped; / 4 for the mean
+    assert logp.grad.flatten().tolist() == pytest.approx([0.0, 1.5 / 4, -0.5 / 4, 0.0])
+    assert stats["pg/clipfrac"] == 0.5
+    assert stats["pg/ratio_mean"] == pytest.approx(1.0)
+    assert stats["pg/ratio_min"] == pytest.approx(0.5)
+    assert stats["pg/ratio_max"] == pytest.approx(1.5)
+
+
+def test_clip_higher_and_full_gradient_inside_the_range():
+    loss, _ = policy_loss(T([[LN(1.5)]]), T([[0.0]]), T([1.0]), T([[1.0]]), clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)
+    logp = T([[LN(1.1)]], requires_grad=True)
+    loss, stats = policy_loss(logp, T([[0.0]]), T([2.0]), T([[True]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.2)
+    assert logp.grad.item() == pytest.approx(-2.2)  # both branches equal: the full gradient, not half
+    assert stats["pg/clipfrac"] == 0.0
+
+
+def test_aggregations_by_hand_ignore_padding():
+    nan = float("nan")
+    values = T([[1.0, 2.0, 3.0], [4.0, nan, nan], [nan, nan, nan]])
+    mask = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    assert aggregate(values, mask, "token_mean").item() == pytest.approx(10 / 4)
+    assert aggregate(values, mask, "seq_mean_token_mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(values, mask, "seq_mean_token_sum").item() == pytest.approx((6 + 4) / 2)
+    with pytest.raises(SmdInputError, match="loss_agg"):
+        aggregate(values, mask, "sum")
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_empty_mask_gives_zero_not_nan(agg):
+    x = torch.randn(2, 3, requires_grad=True)
+    out = aggregate(x, torch.zeros(2, 3, dtype=torch.bool), agg)
+    out.backward()
+    assert out.item() == 0.0 and (x.grad == 0).all()
+
+
+def test_policy_loss_aggregations_by_hand():
+    # ratio 1 everywhere: per-token loss = -A; row 0 has 3 tokens (A = 1), row 1 has 1 token (A = -2)
+    logp = torch.zeros(2, 3)
+    mask = T([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    adv = T([1.0, -2.0])
+    got = {
+        agg: policy_loss(logp, logp, adv, mask, loss_agg=agg)[0].item()
+        for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+    }
+    assert got["token_mean"] == pytest.approx((-3 + 2) / 4)
+    assert got["seq_mean_token_mean"] == pytest.approx((-1 + 2) / 2)
+    assert got["seq_mean_token_sum"] == pytest.approx((-3 + 2) / 2)
+
+
+def test_token_weights_scale_the_loss_and_get_no_gradient():
+    w = T([[2.0, 0.5]], requires_grad=True)
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), T([1.0]), torch.ones(1, 2), token_weights=w)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    assert logp.grad.tolist() == [[pytest.approx(-1.0), pytest.approx(-0.25)]]
+    assert w.grad is None
+
+
+def test_policy_loss_validates_shapes():
+    with pytest.raises(SmdInputError, match="advantages"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
+    with pytest.raises(SmdInputError, match="mask"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 2))
+
+
+# ------------------------------------------------------------------------------------------- KL terms
+def _logits(*probs):
+    return torch.log(T(probs)).view(1, 1, -1)
+
+
+def test_dense_teacher_kl_direction_is_kl_dense_to_masked():
+    p, q = (0.5, 0.5), (0.9, 0.1)  # p = dense (teacher), q = masked (student)
+    kl_pq = 0.5 * LN(0.5 / 0.9) + 0.5 * LN(0.5 / 0.1)  # 0.5108
+    kl_qp = 0.9 * LN(0.9 / 0.5) + 0.1 * LN(0.1 / 0.5)  # 0.3681
+    mask = torch.ones(1, 1)
+    got = dense_teacher_kl(masked_logits=_logits(*q), dense_logits=_logits(*p), mask=mask).item()
+    swapped = dense_teacher_kl(masked_logits=_logits(*p), dense_logits=_logits(*q), mask=mask).item()
+    assert got == pytest.approx(kl_pq, rel=1e-6)
+    assert swapped == pytest.approx(kl_qp, rel=1e-6)
+    assert abs(got - swapped) > 0.1
+
+
+def test_dense_teacher_kl_applies_temperature_to_both():
+    # tau = 2: dense logits [0, 2 ln 3] -> p = [1/4, 3/4]; masked logits [4, 4] -> q = [1/2, 1/2]
+    dense = T([0.0, 2 * LN(3)]).view(1, 1, 2)
+    masked = T([4.0, 4.0]).view(1, 1, 2)
+    expected = 0.25 * LN(0.25 / 0.5) + 0.75 * LN(0.75 / 0.5)
+    got = dense_teacher_kl(masked, dense, torch.ones(1, 1), temperature=2.0).item()
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_dense_teacher_gets_no_gradient_and_student_gradient_is_q_minus_p():
+    torch.manual_seed(0)
+    masked = torch.randn(2, 3, 7, requires_grad=True)
+    dense = torch.randn(2, 3, 7, requires_grad=True)  # the caller "forgot" no_grad
+    mask = T([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    tau = 0.7
+    dense_teacher_kl(masked, dense, mask, temperature=tau).backward()
+    assert dense.grad is None
+    # d KL(p || softmax(z / tau)) / dz = (q - p) / tau, token mean over 5 valid tokens, 0 on padding
+    q = torch.softmax(masked.detach() / tau, -1)
+    p = torch.softmax(dense.detach() / tau, -1)
+    expected = (q - p) / tau / 5 * mask.unsqueeze(-1)
+    assert torch.allclose(masked.grad, expected, atol=1e-6)
+
+
+def test_dense_teacher_kl_zero_probability_entries_are_finite():
+    dense = T([0.0, -float("inf"), 1.0]).view(1, 1, 3)
+    masked = torch.zeros(1, 1, 3, requires_grad=True)
+    kl = dense_teacher_kl_per_token(masked, dense)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(masked.grad).all()
+    p1 = 1 / (1 + math.e)
+    expected = p1 * LN(p1 * 3) + (1 - p1) * LN((1 - p1) * 3)
+    assert kl.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_reference_kl_estimators_by_hand():
+    logp, ref = T([[LN(0.5)]]), T([[LN(0.25)]])  # d = ref - logp = -ln 2
+    d = -LN(2)
+    mask = torch.ones(1, 1)
+    assert reference_kl(logp, ref, mask, kind="k1").item() == pytest.approx(-d)
+    assert reference_kl(logp, ref, mask, kind="k2").item() == pytest.approx(0.5 * d * d)
+    assert reference_kl(logp, ref, mask, kind="k3").item() == pytest.approx(math.exp(d) - d - 1)
+    with pytest.raises(SmdInputError):
+        reference_kl(logp, ref, mask, kind="k4")
+
+
+# ----------------------------------------------------------------------------- off-policy corrections
+def test_tis_weights_truncation_token_and_sequence():
+    learner = T([[LN(3.0), LN(0.5), LN(1.5)], [LN(0.5), LN(0.5), 9.0]], requires_grad=True)
+    rollout = torch.zeros(2, 3)
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    w = tis_weights(learner, rollout, mask, level="token", cap=2.0)
+    assert not w.requires_grad
+    assert w.tolist() == [
+        [pytest.approx(2.0), pytest.approx(0.5), pytest.approx(1.5)],
+        [pytest.approx(0.5), pytest.approx(0.5), 0.0],
+    ]
+    ws = tis_weights(learner, rollout, mask, level="sequence", cap=2.0)
+    # row 0: 3 * 0.5 * 1.5 = 2.25 -> 2; row 1: 0.25 (the padded 9.0 does not count)
+    assert ws.tolist() == [[pytest.approx(2.0)] * 3, [pytest.approx(0.25), pytest.approx(0.25), 0.0]]
+    ws3 = tis_weights(learner, rollout, mask, level="sequence", cap=3.0)
+    assert ws3[0, 0].item() == pytest.approx(2.25)
+    # a huge sequence log-ratio does not overflow
+    big = tis_weights(torch.full((1, 200), 5.0), torch.zeros(1, 200), torch.ones(1, 200), level="sequence")
+    assert (big == 2.0).all()
+
+
+def _rejection_batch():
+    """rollout = 0; learner log-ratios per row, documented in the rejection test."""
+    learner = T(
+        [
+            [0.1, -0.1, 0.0],  # mean 0, min ratio e^-0.1: kept
+            [1.0, 1.0, 0.0],  # mean 1 > ln 2: rejected by the sequence rule
+            [
+                LN(0.005),
+                2.0,
+                2.0,
+            ],  # mean -0.43 is fine, but a token ratio 0.005 < 0.01: rejected by the token rule
+            [0.0, 0.0, 0.0],  # no valid token: kept
+        ]
+    )
+    mask = T([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    return learner, torch.zeros(4, 3), mask
+
+
+def test_sparse_rl_rejection_rule_on_constructed_batch():
+    learner, rollout, mask = _rejection_batch()
+    keep, w, rejected = sparse_rl_rejection(
+        learner, rollout, mask, seq_ratio_max=2.0, token_ratio_min=0.01, cap=2.0
+    )
+    assert keep.tolist() == [True, False, False, True]
+    assert rejected == 0.5
+    assert w[0].tolist() == pytest.approx([math.exp(0.1), math.exp(-0.1), 1.0])
+    assert (w[1:] == 0).all()
+    # token rule off: row 2 is kept, its weights truncated at the cap
+    keep, w, rejected = sparse_rl_rejection(
+        learner, rollout, mask, seq_ratio_max=2.0, token_ratio_min=0.0, cap=2.0
+    )
+    assert keep.tolist() == [True, False, True, True]
+    assert rejected == 0.25
+    assert w[2].tolist() == pytest.approx([0.005, 2.0, 2.0])
+    # a looser sequence threshold keeps row 1 (e^1 < 3)
+    keep, _, _ = sparse_rl_rejection(learner, rollout, mask, seq_ratio_max=3.0, token_ratio_min=0.01)
+    assert keep.tolist() == [True, True, False, True]
+
+
+# ---------------------------------------------------------------------------------------- composition
+def _batch(seed=0, b=2, t=3, v=5):
+    g = torch.Generator().manual_seed(seed)
+    masked_logits = torch.randn(b, t, v, generator=g, requires_grad=True)
+    dense_logits = torch.randn(b, t, v, generator=g, requires_grad=True)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    mask = T([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    rollout = token_logprobs(masked_logits.detach(), tokens) + 0.05 * torch.randn(b, t, generator=g)
+    return masked_logits, dense_logits, tokens, mask, rollout
+
+
+def test_smd_gradient_is_masked_grpo_gradient_plus_lambda_kl_gradient():
+    masked_logits, dense_logits, tokens, mask, rollout = _batch()
+    adv, lam, tau = T([1.0, -1.0]), 0.3, 0.8
+
+    def grad_of(fn):
+        masked_logits.grad = None
+        fn().backward()
+        return masked_logits.grad.clone()
+
+    def smd():
+        total, terms = objective_loss(
+            "smd",
+            advantages=adv,
+            mask=mask,
+            rollout_logp=rollout,
+            masked_logp=token_logprobs(masked_logits, tokens, tau),
+            masked_logits=masked_logits,
+            dense_logits=dense_logits,
+            kl_lambda=lam,
+            temperature=tau,
+        )
+        assert terms["total"] == pytest.approx(terms["pg_loss"] + lam * terms["kl_dense"], rel=1e-6)
+        return total
+
+    g_smd = grad_of(smd)
+    g_pg = grad_of(lambda: policy_loss(token_logprobs(masked_logits, tokens, tau), rollout, adv, mask)[0])
+    g_kl = grad_of(lambda: dense_teacher_kl(masked_logits, dense_logits, mask, temperature=tau))
+    assert torch.allclose(g_smd, g_pg + lam * g_kl, atol=1e-6)
+    assert g_kl.abs().sum() > 0 and g_pg.abs().sum() > 0
+    assert dense_logits.grad is None
+
+
+def test_shadow_ignores_lambda_and_needs_no_dense_pass():
+    masked_logits, _, tokens, mask, rollout = _batch()
+    adv = T([1.0, -1.0])
+    logp = token_logprobs(masked_logits, tokens)
+    total, terms = objective_loss(
+        "shadow", advantages=adv, mask=mask, rollout_logp=rollout, masked_logp=logp, kl_lambda=0.5
+    )
+    pg, _ = policy_loss(logp, rollout, adv, mask)
+    assert total.item() == pytest.approx(pg.item()) and terms["kl_dense"] == 0.0
+    # smd with lambda 0 is shadow, and needs no logits either
+    total0, _ = objective_loss(
+        "smd", advantages=adv, mask=mask, rollout_logp=rollout, masked_logp=logp, kl_lambda=0.0
+    )
+    assert total0.item() == pytest.approx(pg.item())
+
+
+def test_dense_is_naive_ratio_against_rollout():
+    _, dense_logits, tokens, mask, rollout = _batch()
+    adv = T([0.5, -1.0])
+    dense_logp = token_logprobs(dense_logits, tokens)
+    total, _ = objective_loss("dense", advantages=adv, mask=mask, rollout_logp=rollout, dense_logp=dense_logp)
+    assert total.item() == pytest.approx(policy_loss(dense_logp, rollout, adv, mask)[0].item())
+
+
+def test_tis_objective_by_hand():
+    dense_logp = T([[LN(3.0), LN(0.5)]], requires_grad=True)
+    total, terms = objective_loss(
+        "tis",
+        advantages=T([1.0]),
+        mask=torch.ones(1, 2),
+        rollout_logp=torch.zeros(1, 2),
+        dense_logp=dense_logp,
+        tis_cap=2.0,
+    )
+    # old = dense (ratio 1), weights [min(3, 2), 0.5]: loss = -(2 + 0.5) / 2
+    assert total.item() == pytest.approx(-1.25)
+    total.backward()
+    assert dense_logp.grad.tolist() == [[pytest.approx(-1.0), pytest.approx(-0.25)]]
+    assert terms["is_weight/mean"] == pytest.approx(1.25)
+
+
+def test_sparse_rl_objective_drops_rejected_sequences():
+    learner, rollout, mask = _rejection_batch()
+    dense_logp = learner.clone().requires_grad_(True)
+    total, terms = objective_loss(
+        "sparse_rl",
+        advantages=T([1.0, 1.0, 1.0, 1.0]),
+        mask=mask,
+        rollout_logp=rollout,
+        dense_logp=dense_logp,
+        sparse_rl_seq_ratio_max=2.0,
+        sparse_rl_token_ratio_min=0.01,
+    )
+    assert terms["rejection/seq_fraction"] == 0.5
+    # only row 0 survives: weights [e^0.1, e^-0.1, 1], ratio 1, A = 1, token mean over its 3 tokens
+    assert total.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1) + 1) / 3)
+    total.backward()
+    assert (dense_logp.grad[1:] == 0).all()
+
+
+def test_reference_kl_term_is_added():
+    logp = T([[LN(0.5)]], requires_grad=True)
+    kw = dict(advantages=T([0.0]), mask=torch.ones(1, 1), rollout_logp=T([[LN(0.5)]]), masked_logp=logp)
+    with pytest.raises(SmdInputError, match="ref_logp"):
+        objective_loss("shadow", ref_kl_coef=0.1, **kw)
+    total, terms = objective_loss("shadow", ref_kl_coef=0.1, ref_logp=T([[LN(0.25)]]), **kw)
+    d = -LN(2)
+    assert terms["kl_ref"] == pytest.approx(math.exp(d) - d - 1)
+    assert total.item() == pytest.approx(0.1 * (math.exp(d) - d - 1))
+
+
+def test_objective_input_errors():
+    kw = dict(
+        advantages=T([1.0]),
+        mask=torch.ones(1, 1),
+        rollout_logp=torch.zeros(1, 1),
+        masked_logp=torch.zeros(1, 1),
+    )
+    with pytest.raises(SmdInputError, match="unknown objective"):
+        objective_loss("ppo", **kw)
+    with pytest.raises(SmdInputError, match="kl_lambda"):
+        objective_loss("smd", kl_lambda=-0.1, **kw)
+    with pytest.raises(SmdInputError, match="masked_logits, dense_logits"):
+        objective_loss("smd", kl_lambda=0.1, **kw)
+    with pytest.raises(SmdInputError, match="dense_logp"):
+        objective_loss("tis", **kw)
+
+
+# -------------------------------------------------------------------------------------------- params
+def test_params_feed_objective_loss():
+    params = LearnerParams(objective="tis", tis_level="sequence", clip_eps_high=0.28)
+    kw = objective_kwargs(params, temperature=1.0)
+    total, _ = objective_loss(
+        params.objective,
+        advantages=T([1.0]),
+        mask=torch.ones(1, 2),
+        rollout_logp=torch.zeros(1, 2),
+        dense_logp=torch.zeros(1, 2),
+        **kw,
+    )
+    assert total.item() == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "learner.objective=ppo",
+        "learner.kl_lambda=-1",
+        "learner.loss_agg=sum",
+        "learner.tis_level=batch",
+        "learner.ref_kl_kind=k5",
+        "learner.advantage_scale=rank",
+        "learner.tis_cap=0.5",
+        "learner.clip_eps_low=1.0",
+    ],
+)
+def test_bad_learner_params_fail_with_one_line(override, tmp_path):
+    with pytest.raises(SmdInputError, match="learner"):
+        load_params(tmp_path / "absent.yaml", [override])
+
+
+def test_learner_params_defaults_and_unknown_key():
+    p = LearnerParams()
+    assert (p.objective, p.kl_lambda, p.loss_agg, p.clip_eps_low, p.clip_eps_high) == (
+        "smd",
+        0.1,
+        "token_mean",
+        0.2,
+        0.2,
+    )
+    with pytest.raises(ValidationError):
+        LearnerParams(kl_lamda=0.2)

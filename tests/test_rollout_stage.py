@@ -1,0 +1,75 @@
+"""`smdctl rollout` as a stage: artifacts, determinism, bad input."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from schemas.errors import SmdInputError
+from schemas.masks import read_raw_masks
+from schemas.params import load_params
+from schemas.tables import read_table, write_table
+from stages.rollout.stage import rollout
+from tests.helpers import make_model_dir, random_prompts
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    model_dir = make_model_dir(root, "gqa")
+    rows = [
+        {"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": "cat"}
+        for i, ids in enumerate(random_prompts([30, 45, 38], seed=1))
+    ]
+    prompts = write_table(rows, root / "train.arrow", "prompts")
+    return root, model_dir, prompts
+
+
+def _params(**over):
+    sets = [f"{k}={v}" for k, v in {"rollout.prompts_per_iteration": 3, "rollout.group_size": 2,
+                                    "rollout.max_new_tokens": 6, "rollout.batch_size": 4,
+                                    "rollout.shard_rows": 4, "rollout.eviction.window": 4, **over}.items()]
+    return load_params(None, sets)
+
+
+def test_rollout_writes_contract_artifacts(setup):
+    root, model_dir, prompts = setup
+    out = rollout(_params(), 1, model_dir, prompts, root / "it1", show_progress=False)
+    table = read_table(out["trajectories"], "trajectories")
+    assert table.num_rows == 6
+    df = pd.read_feather(out["trajectories"])
+    assert set(df.group_index) == {0, 1} and (df.eviction_policy == "snapkv").all()
+    attrs, shards = read_raw_masks(out["raw_masks"])
+    assert len(shards) == 2 and attrs["num_layers"] == 2 and attrs["num_kv_heads"] == 2
+    lengths = [len(a) + len(b) for a, b in zip(df.prompt_token_ids, df.response_token_ids)]
+    got = [int(x) for s in shards for x in (s["offsets"][1:] - s["offsets"][:-1])]
+    assert got == lengths
+    again = rollout(_params(), 1, model_dir, prompts, root / "it1b", show_progress=False)
+    assert (root / "it1" / "trajectories.arrow").read_bytes() == (root / "it1b" / "trajectories.arrow").read_bytes()
+    assert again["metrics"].exists()
+
+
+def test_rollout_bad_inputs_leave_nothing(setup, tmp_path):
+    root, model_dir, prompts = setup
+    with pytest.raises(SmdInputError, match="no policy checkpoint"):
+        rollout(_params(), 1, tmp_path / "nope", prompts, tmp_path / "out", show_progress=False)
+    with pytest.raises(SmdInputError, match="exceeds the model's 512 positions"):
+        rollout(_params(**{"rollout.max_new_tokens": 500}), 1, model_dir, prompts, tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SmdInputError, match="rollout.group_size"):
+        _params(**{"rollout.group_size": 1})
+    with pytest.raises(SmdInputError, match="rollout.eviction.keep_ratio"):
+        _params(**{"rollout.eviction.keep_ratio": 1.5})
+
+
+def test_cli_exit_code_2_on_bad_params(setup, tmp_path):
+    from cli.main import app
+
+    root, model_dir, prompts = setup
+    result = CliRunner().invoke(app, ["rollout", "--params", str(tmp_path / "none.yaml"), "-S", "rollout.group_size=1",
+                                      "--policy", str(model_dir), "--prompts", str(prompts),
+                                      "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "rollout.group_size" in result.output
+    assert not (tmp_path / "o").exists()
