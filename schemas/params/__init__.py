@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.errors import SmdInputError
 from schemas.params.compaction import CompactionParams
@@ -37,11 +37,42 @@ __all__ = [
 ]
 
 
-class PipelineParams(BaseModel):
-    """The iteration chain of dvc.yaml."""
+class IterationItem(BaseModel):
+    """One on-policy iteration of dvc.yaml's static chain; it names the policy it starts from."""
 
     model_config = ConfigDict(extra="forbid")
-    iterations: int = Field(2, ge=1, le=999, description="Number of on-policy iterations (rollout, compact, learn, evaluate).")
+    n: int = Field(..., ge=1, description="Iteration number (1-based).")
+    id: str = Field(..., pattern=r"^\d{3}$", description="Zero-padded number used in artifact paths (iter-NNN).")
+    policy: str = Field(..., description="Policy checkpoint this iteration samples with (its predecessor's output).")
+
+
+def default_chain(iterations: int) -> list[IterationItem]:
+    items = []
+    for n in range(1, iterations + 1):
+        policy = "artifacts/warmstart/policy" if n == 1 else f"artifacts/iter-{n - 1:03d}/policy"
+        items.append(IterationItem(n=n, id=f"{n:03d}", policy=policy))
+    return items
+
+
+class PipelineParams(BaseModel):
+    """The iteration chain of dvc.yaml (`foreach` over these items). Extend it by appending items whose
+    `policy` is the previous item's `artifacts/iter-NNN/policy`."""
+
+    model_config = ConfigDict(extra="forbid")
+    iterations: list[IterationItem] = Field(default_factory=lambda: default_chain(2),
+                                            description="Ordered iteration items, each naming its predecessor policy.")
+
+    @model_validator(mode="after")
+    def _chain(self) -> PipelineParams:
+        if not self.iterations:
+            raise ValueError("at least one iteration is required")
+        expected = default_chain(len(self.iterations))
+        for got, want in zip(self.iterations, expected):
+            if got != want:
+                raise ValueError(
+                    f"iteration item {got.n} must be {{n: {want.n}, id: '{want.id}', policy: {want.policy}}}"
+                )
+        return self
 
 
 class Params(BaseModel):

@@ -46,6 +46,7 @@ class RolloutState:
     current_pos: torch.Tensor | None = None  # [B] position of the query being decoded
     slots: list[LayerSlots | None] = field(default_factory=list)
     peak_slots: int = 0  # most keys any (seq, layer, head) held between forward passes
+    step_keep: torch.Tensor | None = None  # keep_after() for the current decoding step, computed once
 
     def keep_after(self, n_seen: torch.Tensor) -> torch.Tensor:
         """Keys that may stay cached so that the next query (n_seen + 1 tokens) sees <= budget."""
@@ -125,20 +126,18 @@ class EvictingCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def _group_sum(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    B, Hq, Q, S = probs.shape
-    return probs.view(B, num_kv_heads, Hq // num_kv_heads, Q, S).sum(dim=2)
+def _grouped_probs(query, key, mask, scaling, num_kv_heads):
+    """Attention probabilities summed over each GQA group, without copying keys per query head.
 
-
-def _manual_attention(query, key, value, mask, scaling):
-    """Attention that also returns the probabilities. mask: bool [B, Hq or 1, Q, S]."""
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, k.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    return torch.matmul(probs, v), probs
+    query [B, Hq, Q, D], key [B, H, S, D], mask bool [B, 1 or Hq, Q, S] -> [B, H, Q, S] (float32).
+    """
+    B, Hq, Q, D = query.shape
+    groups = Hq // num_kv_heads
+    q = query.reshape(B, num_kv_heads, groups * Q, D)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scaling)  # [B, H, groups*Q, S]
+    hidden = ~mask.expand(B, Hq, Q, mask.shape[-1]).reshape(B, num_kv_heads, groups * Q, -1)
+    probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    return probs.view(B, num_kv_heads, groups, Q, -1).sum(dim=2)
 
 
 def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -153,23 +152,17 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if st.phase == "prefill":
         mask = st.prefill_mask  # [B, 1, P, P]
         B, _, P, _ = mask.shape
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
         attn_obs = None
-        if need == "all":
-            outs, colsum = [], None
+        if need == "all":  # column sums over every query, chunked to bound memory
+            attn_obs = query.new_zeros(B, H, 1, P, dtype=torch.float32)
             for start in range(0, P, _PREFILL_CHUNK):
-                sl = slice(start, start + _PREFILL_CHUNK)
-                o, p = _manual_attention(query[:, :, sl], key, value, mask[:, :, sl], scaling)
-                outs.append(o)
-                part = _group_sum(p, H).sum(dim=2, keepdim=True)
-                colsum = part if colsum is None else colsum + part
-            out = torch.cat(outs, dim=2)
-            attn_obs = colsum
-        else:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
-            if need == "window":
-                w = min(st.eviction["window"], P)
-                _, p = _manual_attention(query[:, :, -w:], key, value, mask[:, :, -w:], scaling)
-                attn_obs = _group_sum(p, H)
+                end = min(start + _PREFILL_CHUNK, P)  # causal: keys beyond the chunk get no attention
+                part = _grouped_probs(query[:, :, start:end], key[:, :, :end], mask[:, :, start:end, :end], scaling, H)
+                attn_obs[..., :end] += part.sum(dim=2, keepdim=True)
+        elif need == "window":
+            w = min(st.eviction["window"], P)
+            attn_obs = _grouped_probs(query[:, :, -w:], key, mask[:, :, -w:], scaling, H)
         # Slots = the prompt positions (-1 for left padding).
         pad = P - st.prompt_lens
         pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)  # [B, P]
@@ -211,16 +204,14 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     slots = st.slots[layer]
     valid = slots.slot_pos >= 0  # [B, H, C]
     mask = valid.repeat_interleave(groups, dim=1).unsqueeze(2)  # [B, Hq, 1, C]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
     if need != "none":
-        out, probs = _manual_attention(query, key, value, mask, scaling)
-        st.policy.observe_decode(layer, slots, _group_sum(probs, H))
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+        st.policy.observe_decode(layer, slots, _grouped_probs(query, key, mask, scaling, H))
     if st.policy.evicts:
-        n_seen = st.current_pos + 1
-        keep = st.keep_after(n_seen)
-        sc = st.policy.scores(layer, slots)
-        evict(slots, sc, keep, st.current_pos, st.eviction["sinks"], st.eviction["window"], st.evict_at[layer])
+        keep = st.step_keep
+        if bool(((slots.slot_pos >= 0).sum(-1) > keep.view(-1, 1)).any()):
+            sc = st.policy.scores(layer, slots)
+            evict(slots, sc, keep, st.current_pos, st.eviction["sinks"], st.eviction["window"], st.evict_at[layer])
     st.peak_slots = max(st.peak_slots, int((slots.slot_pos >= 0).sum(-1).max()))
     return out.transpose(1, 2).contiguous(), None
 
@@ -347,6 +338,7 @@ def generate_batch(
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             state.current_pos = lens + step
+            state.step_keep = state.keep_after(state.current_pos + 1)
             feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
             out = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
                         use_cache=True, **kwargs)

@@ -1,0 +1,63 @@
+"""Per-iteration progress series for DVC plots and the default experiment's summary.
+
+`progress(i)` gathers, for iterations 1..i, the headline numbers of rollout, learn and evaluate metrics
+into one JSON list (`artifacts/iter-NNN/progress.json`), which `dvc plots show` draws per iteration.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+
+HEADLINE = {
+    "rollout": ["reward/mean", "kv/kept_fraction", "rollout/tokens_per_s"],
+    "learn": ["mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean", "mismatch/kl", "mismatch/ess",
+              "rejection/seq_fraction", "loss/total", "grad_norm"],
+    "evaluate": ["eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match"],
+}
+
+
+def _read(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SmdInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+
+
+def iteration_row(artifacts: Path, n: int) -> dict:
+    base = artifacts / f"iter-{n:03d}"
+    row: dict = {"iteration": n}
+    for stage, keys in HEADLINE.items():
+        data = _read(base / stage / "metrics.json")
+        for key in keys:
+            if key in data and isinstance(data[key], int | float):
+                row[key] = data[key]
+    return row
+
+
+def progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
+    artifacts = Path(artifacts)
+    rows = [iteration_row(artifacts, n) for n in range(1, iteration + 1)]
+    out = artifacts / f"iter-{iteration:03d}" / "progress.json"
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(rows, indent=2))
+    return out
+
+
+def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
+    """Rows for every iteration that has any metrics (warm start as iteration 0)."""
+    artifacts = Path(artifacts)
+    rows = []
+    warm = _read(artifacts / "warmstart" / "metrics.json")
+    if warm:
+        rows.append({"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float)}})
+    n = 1
+    while (artifacts / f"iter-{n:03d}").exists():
+        rows.append(iteration_row(artifacts, n))
+        n += 1
+    return rows
