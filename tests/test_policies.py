@@ -1,0 +1,74 @@
+"""Eviction policies against hand-derived schedules, and the shared `evict` rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.params.rollout import POLICIES, EvictionParams
+from stages.model import load_policy
+from stages.rollout.engine import generate_batch
+from stages.rollout.policies import POLICY_REGISTRY, LayerSlots, evict
+from tests.helpers import make_model_dir, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_policy(make_model_dir(tmp_path_factory.mktemp("pol"), "gqa"))
+
+
+def test_registry_has_every_policy():
+    assert set(POLICY_REGISTRY) == set(POLICIES)
+
+
+def test_evict_rule_by_hand():
+    # one sequence, one head, 6 slots holding positions 0..5; current query position 5
+    slots = LayerSlots(slot_pos=torch.tensor([[[0, 1, 2, 3, 4, 5]]]))
+    scores = torch.tensor([[[9.0, 1.0, 5.0, 1.0, 0.0, 0.0]]])
+    evict_at = torch.full((1, 1, 8), -1, dtype=torch.int32)
+    # keep 3: sink 0 and the window-1 = 1 newest (5) are protected; then highest score (2) survives;
+    # 1 and 3 tie at 1.0 -> both evicted with 4 (score 0): all of 1, 3, 4 go.
+    n = evict(slots, scores, torch.tensor([3]), torch.tensor([5]), sinks=1, window=2, evict_at=evict_at)
+    assert int(n) == 3
+    assert slots.slot_pos.tolist() == [[[0, -1, 2, -1, -1, 5]]]
+    assert evict_at[0, 0].tolist() == [-1, 6, -1, 6, 6, -1, -1, -1]
+
+
+def test_evict_tie_break_evicts_oldest():
+    slots = LayerSlots(slot_pos=torch.tensor([[[0, 1, 2, 3, 4]]]))
+    evict_at = torch.full((1, 1, 5), -1, dtype=torch.int32)
+    evict(slots, torch.zeros(1, 1, 5), torch.tensor([3]), torch.tensor([4]), sinks=0, window=1, evict_at=evict_at)
+    assert slots.slot_pos.tolist() == [[[-1, -1, 2, 3, 4]]]
+
+
+def test_recent_matches_streaming_schedule(model):
+    """recent with a fixed budget M keeps sinks + the newest M-1-s keys: evict_at[k] = max(P, k + M - s)."""
+    M, s, w = 12, 2, 4
+    ev = EvictionParams(policy="recent", keep_ratio=1.0, max_tokens=M, sinks=s, window=w)
+    prompt = random_prompts([30], seed=11)[0]
+    res, _ = generate_batch(model, [prompt], ev, 10, eos_token_id=None, generator=torch.Generator().manual_seed(0))
+    e = res[0].evict_at
+    T, P = e.shape[0], len(prompt)
+    expected = np.array([T if k < s else min(T, max(P, k + M - s)) for k in range(T)])
+    for layer in range(e.shape[1]):
+        for head in range(e.shape[2]):
+            assert e[:, layer, head].tolist() == expected.tolist()
+
+
+def test_h2o_keeps_heavy_hitters_and_heads_differ(model):
+    ev = EvictionParams(policy="h2o", keep_ratio=0.4, sinks=1, window=3)
+    res, _ = generate_batch(model, random_prompts([40], seed=12), ev, 6, eos_token_id=None,
+                            generator=torch.Generator().manual_seed(0))
+    e = res[0].evict_at
+    # per-head scores differ, so at least two (layer, head) columns keep different key sets
+    cols = {tuple(e[:, layer, h]) for layer in range(e.shape[1]) for h in range(e.shape[2])}
+    assert len(cols) > 1
+
+
+def test_random_policy_depends_on_seed(model):
+    prompts = random_prompts([40], seed=13)
+    runs = [generate_batch(model, prompts, EvictionParams(policy="random", seed=s, sinks=1, window=3), 4,
+                           eos_token_id=None, temperature=0)[0][0].evict_at for s in (0, 0, 1)]
+    assert np.array_equal(runs[0], runs[1])
+    assert not np.array_equal(runs[0], runs[2])
