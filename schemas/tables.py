@@ -51,7 +51,26 @@ TRAJECTORIES_SCHEMA = pa.schema(
     ]
 )
 
-KINDS = {"prompts": PROMPTS_SCHEMA, "trajectories": TRAJECTORIES_SCHEMA}
+# Held-out evaluation (`smdctl evaluate`): one row per (eval prompt, mode); mode is "dense" (full KV cache)
+# or "compressed" (the rollout's eviction). score / exact_match follow schemas.rewards for the row's task.
+EVAL_PREDICTIONS_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("task", pa.string(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),
+        pa.field("response_text", pa.string(), nullable=False),
+        pa.field("score", pa.float64(), nullable=False),
+        pa.field("exact_match", pa.bool_(), nullable=False),
+        pa.field("kv_peak_tokens", pa.int64(), nullable=False),
+        pa.field("kv_dense_tokens", pa.int64(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),
+        pa.field("reference", pa.string(), nullable=False),
+        pa.field("response_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+    ]
+)
+
+KINDS = {"prompts": PROMPTS_SCHEMA, "trajectories": TRAJECTORIES_SCHEMA, "eval_predictions": EVAL_PREDICTIONS_SCHEMA}
 
 
 def write_table(rows: list[dict[str, Any]] | pa.Table, path: str | Path, kind: str, config: dict | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""`evaluate:` section: held-out evaluation."""
+"""`evaluate:` section: held-out evaluation (greedy decoding, dense and compressed KV cache)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class EvaluateParams(BaseModel):
+    """Greedy decoding (temperature 0) of the eval split, twice: with the dense cache and with the
+    compression the rollout uses (`rollout.eviction`); both scored with the task's metric (schemas.rewards)."""
+
     model_config = ConfigDict(extra="forbid")
     max_new_tokens: int = Field(16, ge=1, description="Greedy response length limit.")
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
+    num_prompts: int = Field(
+        0, ge=0, description="Eval prompts used, the first N in table order (0 = all of artifacts/data/eval.arrow)."
+    )

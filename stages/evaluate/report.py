@@ -1,0 +1,366 @@
+"""`smdctl report`: compare experiments — a Markdown table and a PNG plot of reward and evaluation per iteration.
+
+Inputs (any mix):
+- run directories: an `artifacts/` tree (or a project directory holding one) with
+  `iter-NNN/{rollout,learn,evaluate}/metrics.json`. The run's parameters come from `params.yaml` beside
+  `artifacts/` when present (schema defaults fill the keys it omits), else from the `config` that
+  `smdctl evaluate` stores in its metrics (any metrics file with a `config` tree or dotted keys counts).
+- the output of `dvc exp show --json` (a list of experiment states, experiments nested under their
+  baseline): params from each experiment's params files, metrics from its `iter-NNN/<stage>/metrics.json`.
+
+One row per (run, iteration) with: objective (learner.objective), policy (rollout.eviction.policy),
+keep_ratio (rollout.eviction.keep_ratio), reward/mean (rollout), eval dense / compressed score (evaluate),
+mismatch/logprob_abs_diff_max (learn). A missing file or key shows as "—". One line per series
+(objective, policy, keep ratio; the run name when several runs share them) in the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+
+STAGES = ("rollout", "learn", "evaluate")
+MISSING = "—"
+PARAM_KEYS = {
+    "objective": "learner.objective",
+    "policy": "rollout.eviction.policy",
+    "keep_ratio": "rollout.eviction.keep_ratio",
+}
+# (column header, stage, metrics key)
+VALUE_COLUMNS = [
+    ("reward/mean", "rollout", "reward/mean"),
+    ("eval dense score", "evaluate", "eval/dense/score"),
+    ("eval compressed score", "evaluate", "eval/compressed/score"),
+    ("mismatch/logprob_abs_diff_max", "learn", "mismatch/logprob_abs_diff_max"),
+]
+HEADERS = ["run", *PARAM_KEYS, "iteration", *(c for c, _, _ in VALUE_COLUMNS)]
+_METRICS_PATH = re.compile(r"(?:^|/)iter-(\d{3,})/(rollout|learn|evaluate)/metrics\.json$")
+
+
+@dataclass
+class Run:
+    """One experiment: its name, where it came from, its parameters and its metrics per iteration and stage."""
+
+    name: str
+    source: str
+    config: dict[str, Any] = field(default_factory=dict)  # objective / policy / keep_ratio (None = unknown)
+    metrics: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)  # iteration -> stage -> metrics
+
+
+# ---------------------------------------------------------------- lookups
+
+
+def _dotted(tree: Any, dotted: str) -> Any:
+    """`a.b.c` in a nested mapping, or the flat key `a.b.c` itself; None when absent."""
+    if isinstance(tree, dict) and dotted in tree:
+        return tree[dotted]
+    node = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _default(dotted: str) -> Any:
+    from schemas.params import Params
+
+    return _dotted(Params().model_dump(), dotted)
+
+
+def _config_from_params(tree: dict[str, Any]) -> dict[str, Any]:
+    """Report parameters from a params.yaml tree; keys it omits take the schema default (what a run used)."""
+    out = {}
+    for name, dotted in PARAM_KEYS.items():
+        value = _dotted(tree, dotted)
+        out[name] = _default(dotted) if value is None else value
+    return out
+
+
+def _config_from_metrics(metrics: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Report parameters recorded in metrics files (a `config` tree, or dotted keys at the top level)."""
+    out: dict[str, Any] = {name: None for name in PARAM_KEYS}
+    for iteration in sorted(metrics):
+        for stage in STAGES:
+            m = metrics[iteration].get(stage)
+            if not isinstance(m, dict):
+                continue
+            for name, dotted in PARAM_KEYS.items():
+                if out[name] is None:
+                    value = _dotted(m.get("config"), dotted)
+                    out[name] = value if value is not None else _dotted(m, dotted)
+    return out
+
+
+def metric_value(metrics: dict[str, Any] | None, key: str) -> float | None:
+    """A numeric metric: the key itself, or nested under its `/`-separated parts. A list gives its max for a
+    `_max` key, else its last element. None when absent or not a number."""
+    if not isinstance(metrics, dict):
+        return None
+    value = metrics.get(key)
+    if value is None:
+        node: Any = metrics
+        for part in key.split("/"):
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node
+    if isinstance(value, list):
+        nums = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        value = (max(nums) if key.endswith("_max") else nums[-1]) if nums else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SmdInputError(f"{path}: not readable JSON ({exc.__class__.__name__})") from exc
+    if not isinstance(data, dict):
+        raise SmdInputError(f"{path}: expected a JSON object of metrics")
+    return data
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read one run directory (an `artifacts/` tree, or a directory that holds `artifacts/`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise SmdInputError(f"{run_dir}: no such run directory")
+    artifacts = run_dir / "artifacts" if (run_dir / "artifacts").is_dir() else run_dir
+    root = artifacts.parent
+    metrics: dict[int, dict[str, dict[str, Any]]] = {}
+    for path in sorted(artifacts.glob("iter-*/*/metrics.json")):
+        m = _METRICS_PATH.search(path.relative_to(artifacts).as_posix())
+        if m:
+            metrics.setdefault(int(m.group(1)), {})[m.group(2)] = _read_json(path)
+    if not metrics:
+        raise SmdInputError(
+            f"{run_dir}: no metrics: expected {artifacts}/iter-NNN/{{rollout,learn,evaluate}}/metrics.json "
+            "(run the pipeline first, or pass another run directory)"
+        )
+    params_file = root / "params.yaml"
+    if params_file.is_file():
+        try:
+            tree = yaml.safe_load(params_file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise SmdInputError(f"{params_file}: not valid YAML ({exc.__class__.__name__})") from exc
+        if not isinstance(tree, dict):
+            raise SmdInputError(f"{params_file}: top level must be a mapping of sections")
+        config, source = _config_from_params(tree), f"{run_dir} (params: {params_file})"
+    else:
+        config, source = _config_from_metrics(metrics), f"{run_dir} (params: recorded in metrics)"
+    name = root.resolve().name or str(root)
+    return Run(name=name, source=source, config=config, metrics=metrics)
+
+
+def _walk_states(states: Any):
+    for state in states or []:
+        if not isinstance(state, dict):
+            continue
+        yield state
+        for exp_range in state.get("experiments") or []:
+            if isinstance(exp_range, dict):
+                yield from _walk_states(exp_range.get("revs"))
+
+
+def parse_dvc_exp_show(data: Any, source: str = "dvc exp show") -> tuple[list[Run], list[str]]:
+    """Runs from `dvc exp show --json` output; also the names of experiments skipped (no metrics or errors)."""
+    if not isinstance(data, list):
+        raise SmdInputError(f"{source}: expected the JSON list that `dvc exp show --json` prints")
+    runs, skipped = [], []
+    for state in _walk_states(data):
+        rev = str(state.get("rev") or "?")
+        name = state.get("name") or (rev if rev == "workspace" else rev[:7])
+        body = state.get("data")
+        if not isinstance(body, dict):
+            skipped.append(f"{name} ({'error' if state.get('error') else 'no data'})")
+            continue
+        metrics: dict[int, dict[str, dict[str, Any]]] = {}
+        for path, result in (body.get("metrics") or {}).items():
+            m = _METRICS_PATH.search(str(path).replace("\\", "/"))
+            if m and isinstance(result, dict) and isinstance(result.get("data"), dict):
+                metrics.setdefault(int(m.group(1)), {})[m.group(2)] = result["data"]
+        if not metrics:
+            skipped.append(f"{name} (no iteration metrics)")
+            continue
+        tree: dict[str, Any] = {}
+        for result in (body.get("params") or {}).values():
+            if isinstance(result, dict) and isinstance(result.get("data"), dict):
+                tree.update(result["data"])
+        if tree:
+            config = _config_from_params(tree)
+            recorded = _config_from_metrics(metrics)
+            for key, dotted in PARAM_KEYS.items():  # a key absent from the params files: prefer the recording
+                if _dotted(tree, dotted) is None and recorded[key] is not None:
+                    config[key] = recorded[key]
+        else:
+            config = _config_from_metrics(metrics)
+        runs.append(Run(name=str(name), source=f"{source}: {rev}", config=config, metrics=metrics))
+    # The workspace repeats the experiment last applied (`dvc exp run` leaves its results there): keep one.
+    for ws in [r for r in runs if r.source.endswith(": workspace")]:
+        twin = next((r for r in runs if r is not ws and (r.config, r.metrics) == (ws.config, ws.metrics)), None)
+        if twin is not None:
+            runs.remove(ws)
+            skipped.append(f"workspace (same as {twin.name})")
+    return runs, skipped
+
+
+def read_dvc_exp_json(path: str | Path) -> tuple[list[Run], list[str]]:
+    path = Path(path)
+    if not path.is_file():
+        raise SmdInputError(f"{path}: no such file (write it with `dvc exp show --json > {path.name}`)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SmdInputError(f"{path}: not readable JSON ({exc.__class__.__name__})") from exc
+    return parse_dvc_exp_show(data, str(path))
+
+
+# ---------------------------------------------------------------- rows and rendering
+
+
+def _unique_names(runs: list[Run]) -> None:
+    seen: dict[str, int] = {}
+    for run in runs:
+        n = seen.get(run.name, 0) + 1
+        seen[run.name] = n
+        if n > 1:
+            run.name = f"{run.name}#{n}"
+
+
+def _sort_key(value: Any) -> tuple:
+    """Numbers numerically, then text; unknown (None) last."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value)) if value is not None else (2, 0.0, "")
+
+
+def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """One dict per (run, iteration): HEADERS as keys, None for anything missing."""
+    rows = []
+    for run in runs:
+        for iteration in sorted(run.metrics):
+            stage_metrics = run.metrics[iteration]
+            row: dict[str, Any] = {"run": run.name, **run.config, "iteration": iteration}
+            for header, stage, key in VALUE_COLUMNS:
+                row[header] = metric_value(stage_metrics.get(stage), key)
+            rows.append(row)
+    rows.sort(key=lambda r: (*(_sort_key(r[k]) for k in PARAM_KEYS), r["run"], r["iteration"]))
+    return rows
+
+
+def _fmt(header: str, value: Any) -> str:
+    if value is None:
+        return MISSING
+    if header == "mismatch/logprob_abs_diff_max":
+        return f"{value:.3g}"
+    if isinstance(value, float) and header not in PARAM_KEYS:
+        return f"{value:.4f}"
+    return str(value)
+
+
+def render_markdown(rows: list[dict[str, Any]], sources: list[str], skipped: list[str], plot_name: str) -> str:
+    lines = [
+        "# smd experiment report",
+        "",
+        "Reward: mean rollout reward (`reward/mean`, rollout metrics). Eval scores: mean greedy score of the task's "
+        "metric on the eval split, with the dense KV cache and with the rollout's compression (evaluate metrics). "
+        "Mismatch: max |learner - rollout| token log-prob (learn metrics). "
+        f"{MISSING} = metrics file or key missing.",
+        "",
+        "Sources:",
+        "",
+        *(f"- {s}" for s in sources),
+    ]
+    if skipped:
+        lines += ["", "Skipped experiments: " + ", ".join(skipped)]
+    lines += [
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "|".join("---" if h in ("run", *PARAM_KEYS) else "---:" for h in HEADERS) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(h, row[h]) for h in HEADERS) + " |")
+    lines += ["", f"![reward and evaluation per iteration]({plot_name})", ""]
+    return "\n".join(lines)
+
+
+def _series_label(config: dict[str, Any]) -> str:
+    return f"{config.get('objective') or '?'} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
+
+
+def render_plot(runs: list[Run], path: Path) -> None:
+    """Two panels against iteration: rollout reward, and eval score (dense solid, compressed dashed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_reward, ax_eval = fig.subplots(1, 2)
+    labels = [_series_label(r.config) for r in runs]
+    ordered = sorted(range(len(runs)), key=lambda i: (labels[i], runs[i].name))
+    for n, i in enumerate(ordered):
+        run, label = runs[i], labels[i]
+        if labels.count(label) > 1:
+            label = f"{label} [{run.name}]"
+        color = f"C{n % 10}"
+        its = sorted(run.metrics)
+
+        def series(stage: str, key: str, its=its, run=run):
+            pts = [(it, metric_value(run.metrics[it].get(stage), key)) for it in its]
+            return [p for p, v in pts if v is not None], [v for _, v in pts if v is not None]
+
+        x, y = series("rollout", "reward/mean")
+        ax_reward.plot(x, y, "o-", color=color, label=label)
+        x, y = series("evaluate", "eval/dense/score")
+        ax_eval.plot(x, y, "o-", color=color, label=f"{label} dense")
+        x, y = series("evaluate", "eval/compressed/score")
+        ax_eval.plot(x, y, "s--", color=color, label=f"{label} compressed")
+    ax_reward.set_title("rollout reward/mean")
+    ax_eval.set_title("eval score (solid: dense cache, dashed: compressed)")
+    for ax in (ax_reward, ax_eval):
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax_reward.set_ylabel("reward")
+    ax_eval.set_ylabel("score")
+    if ax_reward.get_legend_handles_labels()[0]:
+        ax_reward.legend(fontsize="small")
+    fig.legend(*ax_eval.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+
+
+def report(runs: list[str | Path] | None = None, dvc_exp_json: str | Path | None = None,
+           out_dir: str | Path = "reports") -> dict[str, Path]:
+    """Write `out_dir/report.md` and `out_dir/report.png` comparing the runs (default: ./artifacts as one run)."""
+    run_dirs = list(runs or [])
+    if not run_dirs and dvc_exp_json is None:
+        run_dirs = [Path("artifacts")]
+    loaded = [load_run(d) for d in run_dirs]
+    skipped: list[str] = []
+    if dvc_exp_json is not None:
+        exps, skipped = read_dvc_exp_json(dvc_exp_json)
+        loaded += exps
+    if not loaded:
+        raise SmdInputError(f"{dvc_exp_json}: no experiment with iteration metrics (skipped: {', '.join(skipped)})")
+    _unique_names(loaded)
+    out_dir = Path(out_dir)
+    written = {"markdown": out_dir / "report.md", "plot": out_dir / "report.png"}
+    rows = table_rows(loaded)
+    render_plot(loaded, written["plot"])
+    text = render_markdown(rows, [f"{r.name}: {r.source}" for r in loaded], skipped, written["plot"].name)
+    with atomic_path(written["markdown"]) as tmp:
+        tmp.write_text(text)
+    return written

@@ -1,0 +1,189 @@
+"""`smdctl evaluate`: greedy held-out evaluation of a policy, with the dense and with the compressed KV cache.
+
+Both modes decode the same eval prompts greedily (temperature 0) through the rollout engine
+(stages.rollout.engine.generate_batch): `dense` with eviction policy "dense" (every key kept), `compressed`
+with the eviction the rollout samples with (`params.rollout.eviction`). So the compressed score is the
+accuracy of the policy as RL actually runs it, and dense - compressed is what the compression costs.
+Each response is scored with the task's metric (schemas.rewards: `score` and `exact_match`).
+
+Writes, atomically as one directory (DESIGN §5):
+  predictions.arrow   one row per (prompt, mode) (schemas.tables EVAL_PREDICTIONS_SCHEMA)
+  metrics.json        eval/{dense,compressed}/{score,exact_match}, eval/compressed/kv_kept_fraction, ...
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from schemas import rewards
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+from schemas.params import EvictionParams, Params
+from schemas.tables import read_table, write_table
+from stages.model import load_policy, load_tokenizer
+from stages.rollout.engine import generate_batch
+
+MODES = ("dense", "compressed")
+DENSE = EvictionParams(policy="dense")
+
+
+def eviction_for(mode: str, params: Params) -> EvictionParams:
+    """The KV-cache compression of an evaluation mode."""
+    if mode == "dense":
+        return DENSE
+    if mode == "compressed":
+        return params.rollout.eviction
+    raise ValueError(f"unknown evaluation mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def _check_lengths(prompts: list[dict[str, Any]], max_new_tokens: int, max_pos: int | None, source: Path) -> None:
+    if max_pos is None:
+        return
+    for p in prompts:
+        n = len(p["prompt_token_ids"])
+        if n + max_new_tokens > max_pos:
+            raise SmdInputError(
+                f"{source}: prompt_token_ids: prompt {p['prompt_id']} has {n} tokens; with "
+                f"evaluate.max_new_tokens={max_new_tokens} it exceeds the model's {max_pos} positions"
+            )
+
+
+def _decode_mode(model, tokenizer, prompts, eviction: EvictionParams, params: Params, iteration: int, mode: str,
+                 advance) -> list[dict[str, Any]]:
+    """Greedy responses of one mode, in table order; batches group prompts of similar length."""
+    cfg = params.evaluate
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
+    rows: list[dict[str, Any] | None] = [None] * len(prompts)
+    for start in range(0, len(order), cfg.batch_size):
+        batch = order[start: start + cfg.batch_size]
+        ids = [list(prompts[i]["prompt_token_ids"]) for i in batch]
+        results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0)
+        for i, res in zip(batch, results):
+            p = prompts[i]
+            text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
+            rows[i] = {
+                "prompt_id": p["prompt_id"],
+                "task": p["task"],
+                "mode": mode,
+                "response_text": text,
+                "score": float(rewards.score(p["task"], text, p["reference"])),
+                "exact_match": bool(rewards.exact_match(p["task"], text, p["reference"])),
+                "kv_peak_tokens": res.kv_peak_tokens,
+                "kv_dense_tokens": res.kv_dense_tokens,
+                "iteration": iteration,
+                "reference": p["reference"],
+                "response_token_ids": res.response_ids,
+                "finish_reason": res.finish_reason,
+            }
+        advance(len(batch))
+    return rows  # type: ignore[return-value]
+
+
+def _mode_metrics(rows: list[dict[str, Any]], mode: str, seconds: float) -> dict[str, float]:
+    peak = np.array([r["kv_peak_tokens"] for r in rows], dtype=np.float64)
+    dense = np.array([r["kv_dense_tokens"] for r in rows], dtype=np.float64)
+    tokens = sum(len(r["response_token_ids"]) for r in rows)
+    return {
+        f"eval/{mode}/score": float(np.mean([r["score"] for r in rows])),
+        f"eval/{mode}/exact_match": float(np.mean([r["exact_match"] for r in rows])),
+        f"eval/{mode}/kv_kept_fraction": float(peak.sum() / dense.sum()),
+        f"eval/{mode}/kv_peak_tokens_mean": float(peak.mean()),
+        f"eval/{mode}/response_length_mean": float(tokens / len(rows)),
+        f"eval/{mode}/tokens_per_s": float(tokens / max(seconds, 1e-9)),
+    }
+
+
+def summary_table(metrics: dict[str, Any]) -> Table:
+    """Dense vs compressed side by side (printed at the end of `smdctl evaluate`)."""
+    cfg = metrics.get("config", {})
+    ev = cfg.get("rollout", {}).get("eviction", {})
+    table = Table(title=f"evaluate iteration {metrics['iteration']}: {metrics['eval/prompts']} prompts, "
+                        f"metric {metrics['metric']}")
+    table.add_column("mode")
+    table.add_column("KV cache")
+    table.add_column("score", justify="right")
+    table.add_column("exact match", justify="right")
+    table.add_column("KV kept", justify="right")
+    for mode in MODES:
+        cache = "full" if mode == "dense" else f"{ev.get('policy')} keep_ratio={ev.get('keep_ratio')}"
+        table.add_row(mode, cache, f"{metrics[f'eval/{mode}/score']:.4f}",
+                      f"{metrics[f'eval/{mode}/exact_match']:.4f}", f"{metrics[f'eval/{mode}/kv_kept_fraction']:.3f}")
+    return table
+
+
+def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_prompts_path: str | Path,
+             out_dir: str | Path, show_progress: bool = True) -> dict[str, Path]:
+    """Greedy-evaluate `policy_path` on the eval split with the dense and the compressed cache.
+
+    Returns {"predictions": out_dir/predictions.arrow, "metrics": out_dir/metrics.json}. Bad input (missing
+    checkpoint, missing/empty/invalid eval table, prompts too long for the model) raises SmdInputError before
+    anything is written; the output directory appears only complete.
+    """
+    cfg = params.evaluate
+    eval_prompts_path, out_dir = Path(eval_prompts_path), Path(out_dir)
+    prompts = read_table(eval_prompts_path, "prompts").to_pylist()
+    if cfg.num_prompts:
+        prompts = prompts[: cfg.num_prompts]
+    for p in prompts:
+        rewards.metric_name(p["task"])  # unknown task -> one line naming it, before any decoding
+    model = load_policy(policy_path, params.model.dtype)
+    tokenizer = load_tokenizer(policy_path)
+    _check_lengths(prompts, cfg.max_new_tokens, getattr(model.config, "max_position_embeddings", None),
+                   eval_prompts_path)
+
+    rows: list[dict[str, Any]] = []
+    metrics: dict[str, Any] = {}
+    progress = Progress(TextColumn("evaluate {task.fields[mode]}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), disable=not show_progress, transient=False,
+                        console=Console(stderr=True))
+    with progress:
+        bar = progress.add_task("evaluate", total=len(MODES) * len(prompts), mode="")
+        for mode in MODES:
+            progress.update(bar, mode=mode)
+            t0 = time.perf_counter()
+            mode_rows = _decode_mode(model, tokenizer, prompts, eviction_for(mode, params), params, iteration, mode,
+                                     lambda n: progress.update(bar, advance=n))
+            seconds = time.perf_counter() - t0
+            metrics.update(_mode_metrics(mode_rows, mode, seconds))
+            metrics[f"eval/{mode}/seconds"] = float(seconds)
+            rows.extend(mode_rows)
+
+    dense_rows, comp_rows = rows[: len(prompts)], rows[len(prompts):]
+    tasks = sorted({p["task"] for p in prompts})
+    config = {
+        "iteration": iteration,
+        "policy": str(policy_path),
+        "eval_prompts": str(eval_prompts_path),
+        "seed": params.seed,
+        "evaluate": cfg.model_dump(),
+        "rollout": {"eviction": params.rollout.eviction.model_dump()},
+        "learner": {"objective": params.learner.objective, "kl_lambda": params.learner.kl_lambda},
+    }
+    metrics.update({
+        "iteration": iteration,
+        "task": ",".join(tasks),
+        "metric": ",".join(sorted({rewards.metric_name(t) for t in tasks})),
+        "eval/prompts": len(prompts),
+        "eval/agreement": float(np.mean([d["response_token_ids"] == c["response_token_ids"]
+                                         for d, c in zip(dense_rows, comp_rows)])),
+        "eval/score_gap": metrics["eval/dense/score"] - metrics["eval/compressed/score"],
+        "config": config,
+    })
+    written = {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json"}
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir(parents=True)
+        write_table(rows, tmp / "predictions.arrow", "eval_predictions", config)
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    if show_progress:
+        Console(stderr=True).print(summary_table(metrics))
+    return written

@@ -1,0 +1,141 @@
+"""`smdctl evaluate`: dense vs compressed greedy evaluation, determinism, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.feather as feather
+import pytest
+from typer.testing import CliRunner
+
+from schemas import rewards
+from schemas.errors import SmdInputError
+from schemas.params import load_params
+from schemas.tables import PROMPTS_SCHEMA, SCHEMA_VERSION, read_table, write_table
+from stages.evaluate.stage import evaluate
+from tests.helpers import make_model_dir, random_prompts
+
+REFERENCES = ["7, 3", "12", "4, 4, 9", "0"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    model_dir = make_model_dir(root, "gqa")
+    rows = [
+        {"prompt_id": f"e{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": ref}
+        for i, (ids, ref) in enumerate(zip(random_prompts([40, 28, 35, 33], seed=3), REFERENCES))
+    ]
+    prompts = write_table(rows, root / "eval.arrow", "prompts")
+    return root, model_dir, prompts
+
+
+def _params(**over):
+    sets = {"evaluate.max_new_tokens": 6, "evaluate.batch_size": 3, "rollout.eviction.policy": "snapkv",
+            "rollout.eviction.keep_ratio": 0.5, "rollout.eviction.window": 4, "rollout.eviction.sinks": 2, **over}
+    return load_params(None, [f"{k}={v}" for k, v in sets.items()])
+
+
+@pytest.fixture(scope="module")
+def snapkv_run(setup):
+    root, model_dir, prompts = setup
+    return evaluate(_params(), 3, model_dir, prompts, root / "iter-003" / "evaluate", show_progress=False)
+
+
+def test_evaluate_writes_predictions_and_metrics(setup, snapkv_run):
+    out = snapkv_run
+    assert set(out) == {"predictions", "metrics"}
+    read_table(out["predictions"], "eval_predictions")  # validates the contract
+    df = pd.read_feather(out["predictions"])
+    assert len(df) == 8
+    assert list(df["mode"]) == ["dense"] * 4 + ["compressed"] * 4
+    assert list(df.prompt_id) == ["e0", "e1", "e2", "e3"] * 2
+    assert (df.iteration == 3).all() and (df.task == "kv_retrieval").all()
+    for r in df.itertuples():
+        assert r.score == pytest.approx(rewards.score(r.task, r.response_text, r.reference))
+        assert r.exact_match == rewards.exact_match(r.task, r.response_text, r.reference)
+        assert 1 <= len(r.response_token_ids) <= 6
+    dense, comp = df[df["mode"] == "dense"], df[df["mode"] == "compressed"]
+    assert (dense.kv_peak_tokens == dense.kv_dense_tokens).all()
+    assert (comp.kv_peak_tokens < comp.kv_dense_tokens).all()  # 50% SnapKV really compressed
+
+    m = json.loads(out["metrics"].read_text())
+    assert m["iteration"] == 3 and m["eval/prompts"] == 4 and m["metric"] == "kv_fraction"
+    for mode, part in (("dense", dense), ("compressed", comp)):
+        assert m[f"eval/{mode}/score"] == pytest.approx(part.score.mean())
+        assert m[f"eval/{mode}/exact_match"] == pytest.approx(part.exact_match.mean())
+    assert m["eval/compressed/kv_kept_fraction"] == pytest.approx(comp.kv_peak_tokens.sum() / comp.kv_dense_tokens.sum())
+    assert 0 < m["eval/compressed/kv_kept_fraction"] < 0.75
+    assert m["eval/dense/kv_kept_fraction"] == 1.0
+    assert m["config"]["rollout"]["eviction"]["policy"] == "snapkv"
+    assert m["config"]["learner"]["objective"] == "smd"
+    assert not any(p.name.startswith(".") for p in out["metrics"].parent.parent.iterdir())  # no temp leftovers
+
+
+def test_evaluate_is_deterministic(setup, snapkv_run):
+    root, model_dir, prompts = setup
+    again = evaluate(_params(), 3, model_dir, prompts, root / "again", show_progress=False)
+    assert again["predictions"].read_bytes() == snapkv_run["predictions"].read_bytes()
+    a, b = (json.loads(p.read_text()) for p in (snapkv_run["metrics"], again["metrics"]))
+    timing = {k for k in a if k.endswith(("/seconds", "/tokens_per_s"))}
+    assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+
+def test_dense_eviction_gives_identical_modes(setup):
+    root, model_dir, prompts = setup
+    out = evaluate(_params(**{"rollout.eviction.policy": "dense", "evaluate.num_prompts": 3}), 1, model_dir, prompts,
+                   root / "dense", show_progress=False)
+    df = pd.read_feather(out["predictions"])
+    assert len(df) == 6
+    cols = ["prompt_id", "response_text", "score", "exact_match", "kv_peak_tokens", "kv_dense_tokens"]
+    dense = df[df["mode"] == "dense"][cols].reset_index(drop=True)
+    comp = df[df["mode"] == "compressed"][cols].reset_index(drop=True)
+    pd.testing.assert_frame_equal(dense, comp)
+    assert [list(x) for x in df.response_token_ids[:3]] == [list(x) for x in df.response_token_ids[3:]]
+    m = json.loads(out["metrics"].read_text())
+    assert m["eval/dense/score"] == m["eval/compressed/score"]
+    assert m["eval/compressed/kv_kept_fraction"] == 1.0 and m["eval/agreement"] == 1.0
+
+
+def _empty_prompts(path):
+    table = pa.Table.from_pylist([], schema=PROMPTS_SCHEMA).replace_schema_metadata(
+        {b"schema_version": SCHEMA_VERSION.encode(), b"kind": b"prompts", b"config": b"{}"})
+    feather.write_feather(table, str(path), compression="uncompressed")
+    return path
+
+
+def test_bad_inputs_leave_nothing(setup, tmp_path):
+    root, model_dir, prompts = setup
+    out = tmp_path / "out"
+    cases = [
+        ((tmp_path / "nope", prompts), "no policy checkpoint"),
+        ((model_dir, tmp_path / "missing.arrow"), "missing prompts table"),
+        ((model_dir, _empty_prompts(tmp_path / "empty.arrow")), "empty prompts table"),
+    ]
+    for (policy, table), message in cases:
+        with pytest.raises(SmdInputError, match=message):
+            evaluate(_params(), 1, policy, table, out, show_progress=False)
+    with pytest.raises(SmdInputError, match="exceeds the model's 512 positions"):
+        evaluate(_params(**{"evaluate.max_new_tokens": 500}), 1, model_dir, prompts, out, show_progress=False)
+    with pytest.raises(SmdInputError, match="evaluate.num_prompts"):
+        _params(**{"evaluate.num_prompts": -1})
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [tmp_path / "empty.arrow"]
+
+
+def test_cli_evaluate(setup, tmp_path):
+    from cli.main import app
+
+    root, model_dir, prompts = setup
+    base = ["evaluate", "--params", str(tmp_path / "none.yaml"), "-S", "evaluate.max_new_tokens=3",
+            "-S", "evaluate.num_prompts=2", "--prompts", str(prompts)]
+    bad = CliRunner().invoke(app, [*base, "--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert bad.exit_code == 2
+    assert "no policy checkpoint" in bad.output and len(bad.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    ok = CliRunner().invoke(app, [*base, "-i", "0", "--policy", str(model_dir), "--out", str(tmp_path / "o")])
+    assert ok.exit_code == 0, ok.output
+    assert "compressed" in ok.output  # the summary table
+    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["iteration"] == 0

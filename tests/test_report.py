@@ -1,0 +1,155 @@
+"""`smdctl report`: Markdown table and PNG plot over synthetic metrics trees and `dvc exp show --json`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from schemas.errors import SmdInputError
+from stages.evaluate.report import parse_dvc_exp_show, report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _run(root, name, iterations, params=None, config=None, learn=True):
+    """A project dir `root/name` with artifacts/iter-NNN/{rollout,learn,evaluate}/metrics.json."""
+    project = root / name
+    art = project / "artifacts"
+    for i in iterations:
+        it = art / f"iter-{i:03d}"
+        _write(it / "rollout" / "metrics.json", {"iteration": i, "reward/mean": 0.1 * i})
+        if learn:
+            _write(it / "learn" / "metrics.json", {"mismatch/logprob_abs_diff_max": 2.5e-7 * i})
+        ev = {"iteration": i, "eval/dense/score": 0.5 + 0.01 * i, "eval/compressed/score": 0.4 + 0.01 * i}
+        if config:
+            ev["config"] = config
+        _write(it / "evaluate" / "metrics.json", ev)
+    if params is not None:
+        (project / "params.yaml").write_text(yaml.safe_dump(params))
+    return project
+
+
+def _table(md: str) -> list[list[str]]:
+    rows = [line.strip("|").split("|") for line in md.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in r] for r in rows]
+
+
+def test_report_rows_and_plot(tmp_path):
+    a = _run(tmp_path, "smd-snap", [1, 2],
+             params={"learner": {"objective": "smd"}, "rollout": {"eviction": {"policy": "snapkv", "keep_ratio": 0.3}}})
+    b = _run(tmp_path, "naive", [1], learn=False,
+             config={"learner": {"objective": "dense"}, "rollout": {"eviction": {"policy": "h2o", "keep_ratio": 0.5}}})
+    # b also misses its iteration-2 evaluate: only the rollout file exists there
+    _write(b / "artifacts" / "iter-002" / "rollout" / "metrics.json", {"reward/mean": 0.7})
+    out = report([a / "artifacts", b], None, tmp_path / "reports")
+    md = out["markdown"].read_text()
+    rows = _table(md)
+    assert rows[0] == ["run", "objective", "policy", "keep_ratio", "iteration", "reward/mean", "eval dense score",
+                       "eval compressed score", "mismatch/logprob_abs_diff_max"]
+    body = rows[1:]
+    assert body == [
+        ["naive", "dense", "h2o", "0.5", "1", "0.1000", "0.5100", "0.4100", "—"],
+        ["naive", "dense", "h2o", "0.5", "2", "0.7000", "—", "—", "—"],
+        ["smd-snap", "smd", "snapkv", "0.3", "1", "0.1000", "0.5100", "0.4100", "2.5e-07"],
+        ["smd-snap", "smd", "snapkv", "0.3", "2", "0.2000", "0.5200", "0.4200", "5e-07"],
+    ]
+    assert "report.png" in md
+    assert out["plot"].read_bytes()[:8] == PNG_MAGIC
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["report.md", "report.png"]
+
+
+def test_report_defaults_fill_params_and_unknown_config(tmp_path, monkeypatch):
+    _run(tmp_path, "proj", [1], params={"learner": {"kl_lambda": 0.2}})  # objective etc. take schema defaults
+    bare = _run(tmp_path, "bare", [1])  # neither params.yaml nor a recorded config
+    monkeypatch.chdir(tmp_path / "proj")
+    out = report(None, None, "reports")  # default: ./artifacts as one run
+    assert _table(out["markdown"].read_text())[1][:5] == ["proj", "smd", "snapkv", "0.5", "1"]
+    out = report([bare], None, tmp_path / "r2")
+    assert _table(out["markdown"].read_text())[1][:5] == ["bare", "—", "—", "—", "1"]
+
+
+def test_report_bad_runs(tmp_path):
+    (tmp_path / "empty" / "artifacts").mkdir(parents=True)
+    with pytest.raises(SmdInputError, match="no metrics"):
+        report([tmp_path / "empty"], None, tmp_path / "reports")
+    with pytest.raises(SmdInputError, match="no such run directory"):
+        report([tmp_path / "nope"], None, tmp_path / "reports")
+    bad = _run(tmp_path, "bad", [1])
+    (bad / "artifacts" / "iter-001" / "learn" / "metrics.json").write_text("{not json")
+    with pytest.raises(SmdInputError, match="learn/metrics.json: not readable JSON"):
+        report([bad], None, tmp_path / "reports")
+    assert not (tmp_path / "reports").exists()
+
+
+def _exp(rev, name, params, metrics, experiments=None):
+    return {
+        "rev": rev, "name": name, "error": None,
+        "data": {"rev": rev, "timestamp": None, "params": {"params.yaml": {"data": params}},
+                 "metrics": {k: {"data": v} for k, v in metrics.items()}, "deps": {}, "outs": {}, "meta": {}},
+        "experiments": experiments,
+    }
+
+
+def _dvc_json():
+    def metrics(objective_offset):
+        return {
+            "artifacts/iter-001/rollout/metrics.json": {"reward/mean": 0.2 + objective_offset},
+            "artifacts/iter-001/evaluate/metrics.json": {"eval/dense/score": 0.6, "eval/compressed/score": 0.5},
+            "artifacts/iter-001/learn/metrics.json": {"mismatch/logprob_abs_diff_max": 1e-7},
+            "artifacts/iter-002/rollout/metrics.json": {"reward/mean": 0.3 + objective_offset},
+        }
+
+    def params(objective, keep):
+        return {"learner": {"objective": objective}, "rollout": {"eviction": {"policy": "snapkv", "keep_ratio": keep}}}
+
+    exp1 = _exp("a" * 40, "exp-tis", params("tis", 0.5), metrics(0.0))
+    exp2 = _exp("b" * 40, "exp-smd", params("smd", 0.3), metrics(0.1))
+    queued = {"rev": "c" * 40, "name": "exp-queued", "data": None, "error": None, "experiments": None}
+    baseline = _exp("d" * 40, "main", params("smd", 0.5), {}, experiments=[
+        {"revs": [exp1], "executor": None, "name": "exp-tis"},
+        {"revs": [exp2], "executor": None, "name": "exp-smd"},
+        {"revs": [queued], "executor": {"state": "queued", "name": None, "local": None}, "name": "exp-queued"},
+    ])
+    workspace = _exp("workspace", None, params("smd", 0.3), metrics(0.1))  # exp-smd applied there
+    return [workspace, baseline]
+
+
+def test_dvc_exp_show_json(tmp_path):
+    runs, skipped = parse_dvc_exp_show(_dvc_json())
+    assert [r.name for r in runs] == ["exp-tis", "exp-smd"]
+    assert runs[1].config == {"objective": "smd", "policy": "snapkv", "keep_ratio": 0.3}
+    assert any("exp-queued" in s for s in skipped) and any("main" in s for s in skipped)
+    assert "workspace (same as exp-smd)" in skipped
+    path = tmp_path / "exps.json"
+    path.write_text(json.dumps(_dvc_json()))
+    out = report(None, path, tmp_path / "reports")
+    body = _table(out["markdown"].read_text())[1:]
+    assert body == [
+        ["exp-smd", "smd", "snapkv", "0.3", "1", "0.3000", "0.6000", "0.5000", "1e-07"],
+        ["exp-smd", "smd", "snapkv", "0.3", "2", "0.4000", "—", "—", "—"],
+        ["exp-tis", "tis", "snapkv", "0.5", "1", "0.2000", "0.6000", "0.5000", "1e-07"],
+        ["exp-tis", "tis", "snapkv", "0.5", "2", "0.3000", "—", "—", "—"],
+    ]
+    assert out["plot"].read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SmdInputError, match="expected the JSON list"):
+        parse_dvc_exp_show({"not": "a list"})
+
+
+def test_cli_report(tmp_path):
+    from cli.main import app
+
+    (tmp_path / "empty").mkdir()
+    bad = CliRunner().invoke(app, ["report", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
+    assert bad.exit_code == 2 and "no metrics" in bad.output
+    run = _run(tmp_path, "ok", [1])
+    ok = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "r")])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "r" / "report.md").exists() and (tmp_path / "r" / "report.png").exists()
