@@ -24,6 +24,15 @@ def main() -> None:
 # One module per command (or command group); each exposes register(app).
 COMMAND_MODULES = [
     "cli.init_model",
+    "cli.prepare",
+    "cli.warmstart",
+    "cli.rollout",
+    "cli.evaluate",
+    "cli.report",
+    "cli.compact",
+    "cli.inspect",
+    "cli.bench",
+    "cli.progress",
 ]
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,64 @@
+"""`smdctl bench ...`: benchmarks that print ratios measured side by side in one run (DESIGN §8).
+
+`bench_app` is the shared sub-app; each stage adds its own command here (compaction now; rollout and
+learner later), with the measuring code on the stage side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import guarded
+
+bench_app = typer.Typer(help="Benchmarks: ratios measured side by side in one run.", no_args_is_help=True)
+
+
+@bench_app.callback()
+def bench() -> None:
+    """Benchmarks of the pipeline stages (absolute times count only on a GPU)."""
+
+
+@bench_app.command("compaction")
+def bench_compaction(
+    lengths: Annotated[str, typer.Option(help="Comma-separated tokens per row.")] = "1024,4096,16384",
+    policies: Annotated[str, typer.Option(help="Comma-separated synthetic policies.")] = "dense,recent,random,h2o,snapkv",
+    keep_ratio: Annotated[float, typer.Option(help="Eviction keep ratio.")] = 0.5,
+    microbatch_tokens: Annotated[int, typer.Option(help="Learner micro-batch tokens (rows = this // T, >= 1).")] = 4096,
+    fwd_only_from: Annotated[
+        int, typer.Option(help="From this T on, time only the attention forward (SDPA per layer) to keep the run short.")
+    ] = 16384,
+    json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON here.")] = None,
+) -> None:
+    """Compacted size vs dense bitmask and raw int32, compaction throughput, micro-batch read vs learner step."""
+    from stages.compaction.bench import run_compaction_bench
+
+    guarded(
+        lambda: run_compaction_bench(
+            [int(x) for x in lengths.split(",") if x],
+            [x.strip() for x in policies.split(",") if x.strip()],
+            keep_ratio=keep_ratio,
+            microbatch_tokens=microbatch_tokens,
+            fwd_only_from=fwd_only_from,
+            json_out=json_out,
+        )
+    )
+
+
+@bench_app.command("rollout")
+def bench_rollout_cmd(
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "512,2048,4096",
+    keep_ratio: Annotated[float, typer.Option(help="Eviction keep ratio.")] = 0.5,
+    batch_size: Annotated[int, typer.Option(help="Sequences decoded together.")] = 4,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
+) -> None:
+    """Dense vs every eviction policy: tokens/s, KV-cache bytes and peak memory relative to dense."""
+    from stages.rollout.bench import bench_rollout
+
+    guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size, new_tokens))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
