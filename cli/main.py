@@ -30,6 +30,7 @@ COMMAND_MODULES = [
     "cli.evaluate",
     "cli.report",
     "cli.compact",
+    "cli.learn",
     "cli.inspect",
     "cli.bench",
     "cli.progress",

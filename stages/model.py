@@ -11,12 +11,21 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.params.model import TinyModelParams
 from stages.vocab import tiny_vocabulary
+
+hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

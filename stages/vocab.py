@@ -24,6 +24,14 @@ context document note notes find return list
 red blue green yellow black white
 cat dog bird fish lion bear wolf fox owl frog
 moon sun star sky river lake hill tree rock sand
+he she his her him does do did eats eat finds find loses lose sees see sits near track
+big small old new tall short warm cold dark bright quiet loud
+day night wind rain snow cloud road house door window table chair cup ball hat shoe
+ship car city town field garden bell drum kite lamp map ring rope seed leaf wall gate
+bank shop farm park boat train bus plane bridge tower castle forest island desert valley
+goat horse mouse duck swan deer crow bee ant seal
+read story
+summary summarize title post subreddit report tl dr
 """.split()
 
 

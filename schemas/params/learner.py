@@ -7,13 +7,14 @@ repeated here: the learner must score tokens at `rollout.temperature`, the distr
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 OBJECTIVES = ("smd", "shadow", "dense", "tis", "sparse_rl")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 ADVANTAGE_SCALES = ("std", "none")
 REF_KL_KINDS = ("k1", "k2", "k3")
 TIS_LEVELS = ("token", "sequence")
+ATTENTION_BACKENDS = ("sdpa", "flex")
 
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
@@ -85,11 +86,92 @@ class LearnerParams(BaseModel):
         "(a token the sparse sampler made up; 0 = off).",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> LearnerParams:
-        _choice("objective", self.objective, OBJECTIVES)
-        _choice("advantage_scale", self.advantage_scale, ADVANTAGE_SCALES)
-        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        _choice("ref_kl_kind", self.ref_kl_kind, REF_KL_KINDS)
-        _choice("tis_level", self.tis_level, TIS_LEVELS)
-        return self
+    # Optimisation and DeepSpeed
+    epochs: int = Field(1, ge=1, description="Passes over the iteration's batch (PPO epochs).")
+    updates_per_epoch: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass: the batch is split into this many mini-batches (shuffled with "
+        "the seed when > 1). 1 = one step on the whole batch, strictly on-policy.",
+    )
+    micro_batch_size: int = Field(
+        8, ge=1, description="Sequences per forward/backward on each process (gradients accumulate across them)."
+    )
+    grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clipping (0 = off).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    zero_stage: int = Field(
+        1,
+        ge=0,
+        le=2,
+        description="DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = optimizer state partitioned across "
+        "processes, 2 = optimizer state and gradients partitioned. One process by default (several through the "
+        "`deepspeed` launcher).",
+    )
+    attention_backend: str = Field(
+        "sdpa",
+        description=f"Shadow attention backend, one of {ATTENTION_BACKENDS}: sdpa = reference, an explicit "
+        "[B, H, T, T] boolean mask per layer (short sequences); flex = FlexAttention with a block mask built "
+        "from evict_at (no T x T mask; compiled on first use; for long contexts).",
+    )
+    flex_block_size: int = Field(
+        128, ge=16, description="FlexAttention block size (query and key tiles); sequences are padded to it."
+    )
+    parity_tol: float = Field(
+        1e-4,
+        gt=0.0,
+        description="Parity gate: before the first optimizer step, smd/shadow refuse to train when "
+        "max |learner log-prob - rollout log-prob| over the batch exceeds this (the shadow mask does not "
+        "reproduce the rollout: off-policy).",
+    )
+    resume_optimizer: bool = Field(
+        True,
+        description="Continue the optimizer state (AdamW moments, step counter, RNG) saved in the starting "
+        "policy's `trainer_state/` when present (same number of processes and ZeRO stage).",
+    )
+    reference_path: str = Field(
+        "artifacts/warmstart/policy",
+        description="Reference policy for the KL of `ref_kl_coef` (read only when ref_kl_coef > 0).",
+    )
+    seed: int | None = Field(
+        None, ge=0, description="Learner seed (mini-batch shuffling, RNG); None = derive from the global seed."
+    )
+    num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0 = leave torch's default).")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        _choice("objective", v, OBJECTIVES)
+        return v
+
+    @field_validator("advantage_scale")
+    @classmethod
+    def _advantage_scale(cls, v: str) -> str:
+        _choice("advantage_scale", v, ADVANTAGE_SCALES)
+        return v
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _loss_agg(cls, v: str) -> str:
+        _choice("loss_agg", v, LOSS_AGGS)
+        return v
+
+    @field_validator("ref_kl_kind")
+    @classmethod
+    def _ref_kl_kind(cls, v: str) -> str:
+        _choice("ref_kl_kind", v, REF_KL_KINDS)
+        return v
+
+    @field_validator("tis_level")
+    @classmethod
+    def _tis_level(cls, v: str) -> str:
+        _choice("tis_level", v, TIS_LEVELS)
+        return v
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _attention_backend(cls, v: str) -> str:
+        _choice("attention_backend", v, ATTENTION_BACKENDS)
+        return v

@@ -1,13 +1,116 @@
-"""`prepare:` section: which task and how much of it."""
+"""`prepare:` section: which task, how much of it, and how hard.
+
+Synthetic tasks (`kv_retrieval`, `var_tracking`, `arithmetic`) are generated from the seed; dataset
+tasks (`gsm8k`, `hotpotqa`, `tldr`, `govreport`) are read from local files in their public formats
+(`train_file`, optional `eval_file`).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SYNTHETIC_TASKS = ("kv_retrieval", "var_tracking", "arithmetic")
+DATASET_TASKS = ("gsm8k", "hotpotqa", "tldr", "govreport")
+TASKS = SYNTHETIC_TASKS + DATASET_TASKS
 
 
 class PrepareParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    task: str = Field("kv_retrieval", description="Task name (synthetic generator or dataset loader).")
-    num_train: int = Field(2048, ge=1, description="Train prompts.")
-    num_eval: int = Field(64, ge=1, description="Held-out prompts.")
-    context_tokens: int = Field(128, ge=16, description="Approximate prompt length of synthetic tasks, in tokens.")
+    task: str = Field(
+        "kv_retrieval",
+        description=f"Task name: a synthetic generator {SYNTHETIC_TASKS} or a dataset loader {DATASET_TASKS}.",
+    )
+    num_train: int = Field(
+        4096,
+        ge=1,
+        description="Train prompts (synthetic: generated; datasets: at most this many, after filtering).",
+    )
+    num_eval: int = Field(
+        128,
+        ge=1,
+        description="Held-out prompts (synthetic: generated with a disjoint seed stream; datasets: at most this many).",
+    )
+    context_tokens: int = Field(
+        160,
+        ge=16,
+        le=1_000_000,
+        description="Synthetic tasks: approximate prompt length in (tiny-tokenizer) tokens; filler sentences "
+        "and distractors are added until the prompt reaches it. Hundreds to thousands of tokens.",
+    )
+    train_context_min_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="Synthetic tasks: each train prompt's length is drawn uniformly between this fraction of "
+        "`context_tokens` and `context_tokens` (short prompts make supervised warm start learn retrieval "
+        "faster); eval prompts always use `context_tokens`. 1.0 = every prompt at full length.",
+    )
+    # kv_retrieval
+    num_pairs: int = Field(
+        8, ge=1, le=100, description="kv_retrieval: key-value pairs spread over the context (distinct keys)."
+    )
+    num_queries: int = Field(
+        2,
+        ge=1,
+        le=100,
+        description="kv_retrieval: keys asked for; the answer lists their values in query order.",
+    )
+    value_digits: int = Field(2, ge=1, le=6, description="kv_retrieval: digits of each value.")
+    # var_tracking
+    num_hops: int = Field(
+        3, ge=1, le=20, description="var_tracking: assignments between the queried variable and its number."
+    )
+    num_chains: int = Field(
+        3, ge=1, le=8, description="var_tracking: chains in the context (one queried, the rest distractors)."
+    )
+    # arithmetic
+    num_steps: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="arithmetic: operations after the initial amount (one chain-of-thought step each).",
+    )
+    max_operand: int = Field(9, ge=1, le=999, description="arithmetic: largest initial amount and operand.")
+    # dataset loaders
+    train_file: str | None = Field(
+        None,
+        description="Dataset tasks: local train file. gsm8k: jsonl {question, answer with '#### N'}; hotpotqa: "
+        "json list (or jsonl) of {_id, question, answer, context: [[title, [sentences]], ...]}; tldr: jsonl "
+        "{post, summary, optional id, subreddit, title} or CarperAI's {prompt, label}; govreport: jsonl "
+        "{optional id, report or document, summary}.",
+    )
+    eval_file: str | None = Field(
+        None,
+        description="Dataset tasks: local held-out file in the same format; when unset, `num_eval` examples "
+        "are split off the train file (seeded shuffle).",
+    )
+    max_prompt_tokens: int = Field(
+        1024,
+        ge=16,
+        description="Dataset tasks: prompts longer than this (policy tokenizer) have their document/context "
+        "truncated (the question and answer cue are kept).",
+    )
+    max_reference_chars: int = Field(
+        0,
+        ge=0,
+        description="Dataset tasks: drop examples whose reference is longer than this (0 = keep all).",
+    )
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+        return task
+
+    @model_validator(mode="after")
+    def _check(self) -> PrepareParams:
+        if self.task in DATASET_TASKS and not self.train_file:
+            raise ValueError(f"train_file: task {self.task} reads a local file; set prepare.train_file")
+        if self.task == "kv_retrieval" and self.num_queries > self.num_pairs:
+            raise ValueError(f"num_queries: {self.num_queries} is larger than num_pairs={self.num_pairs}")
+        if self.task == "var_tracking" and self.num_chains * self.num_hops > 25:
+            raise ValueError(
+                f"num_chains: {self.num_chains} chains of {self.num_hops} hops need more than 25 variable names"
+            )
+        return self

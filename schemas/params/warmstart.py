@@ -6,7 +6,28 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class WarmstartParams(BaseModel):
+    """Supervised next-token training on the train split (loss on response tokens only), then a greedy eval."""
+
     model_config = ConfigDict(extra="forbid")
-    steps: int = Field(600, ge=0, description="Optimizer steps.")
-    batch_size: int = Field(32, ge=1, description="Sequences per step.")
-    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    steps: int = Field(
+        600, ge=0, description="Optimizer steps (0 = copy the initial policy and only evaluate)."
+    )
+    batch_size: int = Field(32, ge=1, description="Sequences per optimizer step.")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="Peak AdamW learning rate.")
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps before the cosine decay.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of `lr`.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta2: float = Field(0.98, gt=0.0, lt=1.0, description="AdamW beta2.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    max_minutes: float = Field(
+        9.0,
+        ge=0.0,
+        description="Wall-clock cap on training in minutes (0 = none): training stops early when it is reached "
+        "(the run is then no longer bit-reproducible; the metrics record the steps done).",
+    )
+    eval_batch_size: int = Field(32, ge=1, description="Prompts decoded together in the final greedy eval.")
+    eval_max_new_tokens: int = Field(
+        0, ge=0, description="Greedy response limit in the eval (0 = longest eval reference + 4 tokens)."
+    )
+    num_threads: int = Field(0, ge=0, description="torch CPU threads (0 = leave torch's default).")
+    log_every: int = Field(25, ge=1, description="Steps between progress lines on stderr.")

@@ -87,3 +87,131 @@ def response_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, prompt_lens
     targets = torch.gather(input_ids, 1, (idx + 1).clamp(max=input_ids.shape[1] - 1))
     out = logp.gather(-1, targets.unsqueeze(-1))[..., 0]
     return out.masked_fill(~valid, 0.0), valid
+
+
+def response_index(prompt_lens: list[int], resp_lens: list[int], offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, R_max] whose logits predict each response token (P_b - 1 + t, minus `offset`), and validity."""
+    B, R = len(prompt_lens), max(max(resp_lens), 1)
+    idx = torch.zeros(B, R, dtype=torch.long)
+    valid = torch.zeros(B, R, dtype=torch.bool)
+    for b in range(B):
+        idx[b, : resp_lens[b]] = torch.arange(resp_lens[b]) + prompt_lens[b] - 1 - offset
+        valid[b, : resp_lens[b]] = True
+    return idx, valid
+
+
+def response_logits(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
+                    resp_lens: list[int], backend: str = "sdpa", **extra) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at the response positions of a right-padded batch, without the full [B, T, V] logits.
+
+    Returns (logits [B, R_max, V] before temperature, target tokens [B, R_max], valid [B, R_max]); the
+    lm head runs only on positions >= min(prompt_lens) - 1 (`logits_to_keep`). With evict_at ([L, B, H, T])
+    the shadow mask is replayed, with None the forward is dense (full causal context).
+    """
+    B, T = input_ids.shape
+    start = min(prompt_lens) - 1
+    keep = T - start
+    position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    if evict_at is None:
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
+    else:
+        previous = model.config._attn_implementation
+        model.config._attn_implementation = SHADOW_ATTENTION
+        try:
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
+                           smd_evict_at=evict_at, smd_backend=backend, **extra).logits
+        finally:
+            model.config._attn_implementation = previous
+    idx, valid = response_index(prompt_lens, resp_lens, offset=start)
+    idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
+    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    targets = torch.gather(input_ids, 1, (idx + start + 1).clamp(max=T - 1))
+    return sel, targets, valid
+
+
+# ------------------------------------------------------------------ shared prefix: masked policy + dense teacher
+SHADOW_SUFFIX_ATTENTION = "smd_shadow_suffix"
+
+
+def shadow_suffix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """`smd_shadow` for the query rows [T_k - T_q, T_k) of a forward that continues a cached prefix."""
+    evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
+    backend = kwargs.get("smd_backend", "sdpa")
+    layer = module.layer_idx
+    groups = query.shape[1] // key.shape[1]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    offset = key.shape[2] - query.shape[2]
+    if backend == "flex":
+        from stages.learner.flex_backend import flex_shadow_attention
+
+        out = flex_shadow_attention(query, key, value, evict_at[layer], scaling, kwargs.get("smd_block_masks"), layer)
+    else:
+        mask = shadow_mask(evict_at[layer])[:, :, offset:].repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SHADOW_SUFFIX_ATTENTION, shadow_suffix_attention)
+
+
+def shared_prefix_length(evict_at: torch.Tensor, prompt_lens: list[int], align: int = 1) -> int:
+    """Rows both policies compute identically: before the first eviction in any layer/row/head (right padding
+    counts as one) and before the first logit the loss needs (min prompt length - 1); a multiple of `align`."""
+    s = min(int(evict_at.min()), min(prompt_lens) - 1)
+    return max(s // align * align, 0)
+
+
+def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch.Tensor, prompt_lens: list[int],
+                                 resp_lens: list[int], backend: str = "sdpa", block_size: int = 128):
+    """The shadow-masked policy's response logits (with gradient) and the dense teacher's (no gradient) in
+    one pass over the shared prefix.
+
+    Nothing is evicted before the first eviction position s (prefill attends densely), so rows [0, s) are the
+    same for both policies: they run once (plain causal attention, with gradient) into a KV cache; then the
+    rows [s, T) run twice on top of it — densely under no_grad (teacher), then shadow-masked with gradient.
+    Returns (masked logits [B, R, V], dense logits [B, R, V] detached, targets [B, R], valid [B, R]).
+    """
+    from transformers import DynamicCache
+
+    B, T = input_ids.shape
+    align = block_size if backend == "flex" else 1
+    s = shared_prefix_length(evict_at, prompt_lens, align)
+    if s == 0:
+        with torch.no_grad():
+            dense, _, _ = response_logits(model, input_ids, None, prompt_lens, resp_lens)
+        extra = {}
+        if backend == "flex":
+            from stages.learner.flex_backend import build_block_masks
+
+            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
+        masked, targets, valid = response_logits(model, input_ids, evict_at, prompt_lens, resp_lens, backend, **extra)
+        return masked, dense, targets, valid
+    start = min(prompt_lens) - 1
+    keep = T - start
+    positions = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=input_ids[:, :s], position_ids=positions[:, :s], cache=cache, use_cache=True,
+          logits_to_keep=1)
+    suffix, suffix_pos = input_ids[:, s:], positions[:, s:]
+    with torch.no_grad():
+        teacher_cache = DynamicCache([(layer.keys.detach(), layer.values.detach()) for layer in cache.layers],
+                                     config=model.config)
+        dense = model(input_ids=suffix, position_ids=suffix_pos, cache=teacher_cache, use_cache=True,
+                      logits_to_keep=keep).logits
+    extra = {}
+    if backend == "flex":
+        from stages.learner.flex_backend import build_block_masks
+
+        extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = SHADOW_SUFFIX_ATTENTION
+    try:
+        masked = model(input_ids=suffix, position_ids=suffix_pos, cache=cache, use_cache=True,
+                       logits_to_keep=keep, smd_evict_at=evict_at, smd_backend=backend, **extra).logits
+    finally:
+        model.config._attn_implementation = previous
+    idx, valid = response_index(prompt_lens, resp_lens, offset=start)
+    idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
+    index = idx.unsqueeze(-1).expand(-1, -1, masked.shape[-1])
+    targets = torch.gather(input_ids, 1, (idx + start + 1).clamp(max=T - 1))
+    return torch.gather(masked, 1, index), torch.gather(dense, 1, index), targets, valid

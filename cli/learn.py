@@ -1,0 +1,51 @@
+"""`smdctl learn`: GRPO post-training on one iteration's rollouts under DeepSpeed (stages.learner)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import ParamsOption, SetOption, echo_written, guarded, load
+from cli.paths import iteration_dir, policy_for_iteration
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("learn")
+    def learn_cmd(
+        iteration: Annotated[int, typer.Option("--iteration", "-i", min=1, help="On-policy iteration (1-based).")] = 1,
+        params: ParamsOption = Path("params.yaml"),
+        overrides: SetOption = None,
+        policy: Annotated[Path | None, typer.Option(
+            help="Policy to train (default: the previous iteration's; warm-start policy for iteration 1).")] = None,
+        trajectories: Annotated[Path | None, typer.Option(
+            help="Trajectory table (default: artifacts/iter-NNN/rollout/trajectories.arrow).")] = None,
+        masks: Annotated[Path | None, typer.Option(
+            help="Compacted mask store (default: artifacts/iter-NNN/compact/masks.zarr).")] = None,
+        out: Annotated[Path | None, typer.Option(
+            help="New policy directory (default: artifacts/iter-NNN/policy).")] = None,
+        metrics_dir: Annotated[Path | None, typer.Option(
+            help="Metrics directory (default: artifacts/iter-NNN/learn).")] = None,
+        quiet: Annotated[bool, typer.Option(help="No per-step lines on stderr.")] = False,
+        local_rank: Annotated[int | None, typer.Option(
+            "--local_rank", "--local-rank", hidden=True, help="Set by the deepspeed launcher (LOCAL_RANK env is used).")] = None,
+    ) -> None:
+        """Shadow-masked GRPO (or a baseline objective) on the iteration's rollouts; writes the next policy.
+
+        One process by default; several through the launcher, e.g.
+        `deepspeed --num_gpus 2 $(which smdctl) learn -i 1` (on CPU: DS_ACCELERATOR=cpu, gloo).
+        """
+        from stages.learner.train import learn, stderr_log
+
+        p = load(params, overrides)
+        base = iteration_dir(iteration)
+        written = guarded(lambda: learn(
+            p, iteration, policy or policy_for_iteration(iteration),
+            trajectories or base / "rollout" / "trajectories.arrow",
+            masks or base / "compact" / "masks.zarr",
+            out or base / "policy",
+            metrics_dir or base / "learn",
+            log=None if quiet else stderr_log,
+        ))
+        echo_written(written)

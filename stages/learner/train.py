@@ -1,0 +1,504 @@
+"""`smdctl learn`: GRPO post-training of the policy on one iteration's rollouts under DeepSpeed (DESIGN §3, §5, §7).
+
+Flow of `learn(...)`:
+  1. Read and cross-check the inputs (trajectory table, compacted mask store for smd/shadow, policy), GRPO
+     advantages over the whole batch grouped by prompt_id. Bad input: SmdInputError, nothing written.
+  2. Join/create the process group, build the DeepSpeed engine (torch AdamW, ZeRO stage from params),
+     resume the optimizer state saved beside the starting policy when present.
+  3. Parity pass (no gradient, before any optimizer step): learner log-probs of every response token —
+     shadow-masked for smd/shadow, dense for dense/tis/sparse_rl — against the rollout's. smd/shadow refuse
+     to train when max |delta| > learner.parity_tol (the mask does not reproduce the sampler: training would
+     be silently off-policy). The same numbers are the proximal `old_logp` of tis/sparse_rl.
+  4. epochs x updates_per_epoch optimizer steps. Per micro-batch: shadow-masked forward with gradient
+     (smd, shadow) or dense forward with gradient (dense, tis, sparse_rl); for smd with kl_lambda > 0 also
+     the dense forward of the same weights under no_grad as teacher — the rows before the first eviction
+     (the prompt, prefilled densely) are the same for both and run once (`response_logits_with_teacher`);
+     `objective_loss`. Each micro-batch loss
+     is weighted by its share of the mini-batch's aggregation denominator (valid tokens for token_mean,
+     sequences for the seq_mean_* modes) so that the accumulated gradient over micro-batches and processes
+     equals the gradient of the objective on the whole mini-batch. Mismatch metrics are logged every step.
+  5. Atomically write `out_dir` (Hugging Face policy + tokenizer + trainer_state/) and `metrics_dir`
+     (metrics.json, steps.json); on any failure the previous checkpoint and earlier outputs are untouched.
+
+Sharding: every process reads the whole table; mini-batch rows go to processes round-robin (rows
+[rank::world]), each process's rows are grouped by length into micro-batches, and processes with fewer
+micro-batches run zero-weight ones so that all take part in every gradient reduction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+from schemas.params import Params
+from schemas.params.learner import ATTENTION_BACKENDS, LOSS_AGGS, OBJECTIVES, LearnerParams
+from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
+from stages.learner.engine import (
+    TRAINER_STATE,
+    DistContext,
+    init_distributed,
+    load_trainer_state,
+    make_engine,
+    save_trainer_state,
+)
+from stages.learner.metrics import check_finite, mismatch_metrics
+from stages.learner.objectives import objective_kwargs, objective_loss, sparse_rl_rejection, token_logprobs
+from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
+from stages.model import load_policy, load_tokenizer
+
+MASKED_OBJECTIVES = ("smd", "shadow")
+
+
+# ------------------------------------------------------------------------------------------ validation
+def check_learner_params(cfg: LearnerParams) -> None:
+    """Re-check what a hand-built (unvalidated) LearnerParams could carry; one line each."""
+    if cfg.objective not in OBJECTIVES:
+        raise SmdInputError(f"learner.objective: unknown objective {cfg.objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    if not cfg.kl_lambda >= 0:
+        raise SmdInputError(f"learner.kl_lambda: must be >= 0, got {cfg.kl_lambda}")
+    if cfg.loss_agg not in LOSS_AGGS:
+        raise SmdInputError(f"learner.loss_agg: unknown {cfg.loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
+    if cfg.attention_backend not in ATTENTION_BACKENDS:
+        raise SmdInputError(
+            f"learner.attention_backend: unknown {cfg.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if cfg.zero_stage not in (0, 1, 2):
+        raise SmdInputError(f"learner.zero_stage: must be 0, 1 or 2, got {cfg.zero_stage}")
+    if cfg.micro_batch_size < 1 or cfg.epochs < 1 or cfg.updates_per_epoch < 1:
+        raise SmdInputError("learner.micro_batch_size, epochs and updates_per_epoch must be >= 1")
+    if not cfg.lr > 0:
+        raise SmdInputError(f"learner.lr: must be > 0, got {cfg.lr}")
+
+
+# ------------------------------------------------------------------------------------------ scoring
+def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature: float):
+    """(response logits [B, R, V], log-probs of the sampled tokens at `temperature` [B, R], 0 at padding)."""
+    sel, targets, valid = response_logits(model, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens,
+                                          mb.resp_lens, backend, **(mb.forward_extra() if masked else {}))
+    logp = token_logprobs(sel, targets, temperature).masked_fill(~valid, 0.0)
+    return sel, logp
+
+
+def length_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[int]]:
+    """Micro-batches of `size` rows, longest first (less padding); deterministic."""
+    ordered = sorted(rows, key=lambda r: (-data.length(r), r))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+@torch.no_grad()
+def score_rows(model, data: LearnerData, rows: list[int], *, masked: bool, temperature: float,
+               micro_batch_size: int, backend: str = "sdpa", block_size: int = 128,
+               device: torch.device | str = "cpu") -> dict[int, np.ndarray]:
+    """Learner log-probs of every response token of `rows`, micro-batched and right-padded as in training
+    (shadow-masked when `masked`, else dense). Returns {row: float32 [R_row]}."""
+    num_q = model.config.num_attention_heads
+    out: dict[int, np.ndarray] = {}
+    for chunk in length_grouped(data, rows, micro_batch_size):
+        mb = build_micro_batch(data, chunk, masked, backend, block_size, num_q, device=device)
+        _, logp = forward_logp(model, mb, masked, backend, temperature)
+        logp = logp.float().cpu()
+        for b, r in enumerate(chunk):
+            out[r] = logp[b, : mb.resp_lens[b]].numpy().copy()
+    return out
+
+
+def _padded(rows: list[int], values: dict[int, np.ndarray], data: LearnerData) -> tuple[torch.Tensor, ...]:
+    R = max(max((len(data.response_ids[r]) for r in rows), default=1), 1)
+    learner = torch.zeros(len(rows), R, dtype=torch.float64)
+    rollout = torch.zeros(len(rows), R, dtype=torch.float64)
+    mask = torch.zeros(len(rows), R, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        n = len(data.response_ids[r])
+        learner[i, :n] = torch.from_numpy(values[r].astype(np.float64))
+        rollout[i, :n] = torch.from_numpy(data.rollout_logprobs[r].astype(np.float64))
+        mask[i, :n] = True
+    return learner, rollout, mask
+
+
+def batch_mismatch(rows: list[int], values: dict[int, np.ndarray], data: LearnerData) -> dict[str, float]:
+    """`mismatch_metrics` of learner log-probs `values` against the rollout's over `rows`."""
+    learner, rollout, mask = _padded(rows, values, data)
+    return mismatch_metrics(learner, rollout, mask)
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass
+class Step:
+    epoch: int
+    rows: list[int]  # the whole mini-batch (all processes)
+    micro: list[tuple[list[int], bool]]  # this process's micro-batches: (rows, real); real=False: zero weight
+
+
+def make_plan(data: LearnerData, cfg: LearnerParams, ctx: DistContext, seed: int, iteration: int) -> tuple[list[Step], int]:
+    """Optimizer steps of this learn call and the (uniform) gradient-accumulation count per step."""
+    n = len(data)
+    minis: list[tuple[int, list[int]]] = []
+    for epoch in range(cfg.epochs):
+        order = np.arange(n)
+        if cfg.updates_per_epoch > 1:
+            order = np.random.default_rng([seed, iteration, epoch]).permutation(n)
+        for part in np.array_split(order, cfg.updates_per_epoch):
+            if len(part):
+                minis.append((epoch, sorted(int(r) for r in part)))
+    grad_accum = max(math.ceil(math.ceil(len(rows) / ctx.world) / cfg.micro_batch_size) for _, rows in minis)
+    steps = []
+    for epoch, rows in minis:
+        mine = length_grouped(data, rows[ctx.rank :: ctx.world], cfg.micro_batch_size)
+        # Fillers run a real forward/backward (of rows this process already has, weight 0): ZeRO-2 reduces
+        # gradient buckets in autograd-hook order, which must be the same on every process.
+        filler = mine[-1] if mine else rows[:1]
+        micro = [(m, True) for m in mine] + [(filler, False)] * (grad_accum - len(mine))
+        steps.append(Step(epoch, rows, micro))
+    return steps, grad_accum
+
+
+def row_denominators(data: LearnerData, cfg: LearnerParams, old: dict[int, np.ndarray]) -> np.ndarray:
+    """Per row, its share of `aggregate(loss_agg)`'s denominator: valid (kept) tokens, or 1 per sequence with
+    any. sparse_rl's rejection is per sequence, computed here from the proximal log-probs as the loss does."""
+    out = np.zeros(len(data), dtype=np.float64)
+    for r in range(len(data)):
+        n = len(data.response_ids[r])
+        if n and cfg.objective == "sparse_rl":
+            lp = torch.from_numpy(old[r]).unsqueeze(0)
+            keep, _, _ = sparse_rl_rejection(lp, torch.from_numpy(data.rollout_logprobs[r]).unsqueeze(0),
+                                             torch.ones(1, n, dtype=torch.bool),
+                                             seq_ratio_max=cfg.sparse_rl_seq_ratio_max,
+                                             token_ratio_min=cfg.sparse_rl_token_ratio_min, cap=cfg.tis_cap)
+            n = n if bool(keep[0]) else 0
+        out[r] = n if cfg.loss_agg == "token_mean" else float(n > 0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ collectives
+def _gather(obj: Any, ctx: DistContext) -> list[Any]:
+    if ctx.world == 1:
+        return [obj]
+    out: list[Any] = [None] * ctx.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _gather_dict(local: dict[int, np.ndarray], ctx: DistContext) -> dict[int, np.ndarray]:
+    merged: dict[int, np.ndarray] = {}
+    for part in _gather(local, ctx):
+        merged.update(part)
+    return merged
+
+
+class StepStats:
+    """Per-step accumulation of loss terms (weighted by the micro-batch's share) and per-row log-probs."""
+
+    SUMMED = ("pg_loss", "kl_dense", "kl_ref", "total", "pg/clipfrac", "pg/ratio_mean", "pg/approx_kl",
+              "is_weight/mean")
+
+    def __init__(self) -> None:
+        self.weighted: dict[str, float] = {}
+        self.ratio_min = math.inf
+        self.ratio_max = -math.inf
+        self.logp: dict[int, np.ndarray] = {}
+        self.dense_logp: dict[int, np.ndarray] = {}
+        self.tokens = 0
+
+    def add(self, terms: dict[str, float], weight: float, mb: MicroBatch, logp: torch.Tensor,
+            dense_logp: torch.Tensor | None) -> None:
+        for key in self.SUMMED:
+            if key in terms:
+                self.weighted[key] = self.weighted.get(key, 0.0) + weight * terms[key]
+        if weight > 0:
+            self.ratio_min = min(self.ratio_min, terms["pg/ratio_min"])
+            self.ratio_max = max(self.ratio_max, terms["pg/ratio_max"])
+        lp = logp.detach().float().cpu()
+        dl = dense_logp.detach().float().cpu() if dense_logp is not None else None
+        for b, r in enumerate(mb.rows):
+            n = mb.resp_lens[b]
+            self.logp[r] = lp[b, :n].numpy().copy()
+            if dl is not None:
+                self.dense_logp[r] = dl[b, :n].numpy().copy()
+        self.tokens += sum(mb.prompt_lens) + sum(mb.resp_lens)
+
+    def reduce(self, ctx: DistContext, data: LearnerData, rows: list[int]) -> dict[str, float]:
+        parts = _gather((self.weighted, self.ratio_min, self.ratio_max, self.logp, self.dense_logp, self.tokens), ctx)
+        weighted: dict[str, float] = {}
+        logp: dict[int, np.ndarray] = {}
+        dense: dict[int, np.ndarray] = {}
+        rmin, rmax, tokens = math.inf, -math.inf, 0
+        for w, lo, hi, lp, dl, tok in parts:
+            for k, v in w.items():
+                weighted[k] = weighted.get(k, 0.0) + v
+            rmin, rmax, tokens = min(rmin, lo), max(rmax, hi), tokens + tok
+            logp.update(lp)
+            dense.update(dl)
+        out = {
+            "loss/pg": weighted.get("pg_loss", 0.0),
+            "loss/kl_dense": weighted.get("kl_dense", 0.0),
+            "loss/kl_ref": weighted.get("kl_ref", 0.0),
+            "loss/total": weighted.get("total", 0.0),
+            "pg/clipfrac": weighted.get("pg/clipfrac", 0.0),
+            "pg/ratio_mean": weighted.get("pg/ratio_mean", 1.0),
+            "pg/ratio_min": rmin if math.isfinite(rmin) else 1.0,
+            "pg/ratio_max": rmax if math.isfinite(rmax) else 1.0,
+            "pg/approx_kl": weighted.get("pg/approx_kl", 0.0),
+            "tokens": float(tokens),
+        }
+        if "is_weight/mean" in weighted:
+            out["is_weight/mean"] = weighted["is_weight/mean"]
+        out.update(batch_mismatch(rows, logp, data))
+        if dense:
+            d = batch_mismatch(rows, dense, data)
+            out["dense_mismatch/logprob_abs_diff_mean"] = d["mismatch/logprob_abs_diff_mean"]
+            out["dense_mismatch/logprob_abs_diff_max"] = d["mismatch/logprob_abs_diff_max"]
+        return out
+
+
+# ------------------------------------------------------------------------------------------ the stage
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _write_collectively(final: Path, ctx: DistContext, body: Callable[[Path], None]) -> None:
+    """Build `final` at a temporary path shared by all processes (rank 0 owns the atomic rename)."""
+    if ctx.world == 1:
+        with atomic_path(final) as tmp:
+            body(tmp)
+        return
+    if ctx.is_main:
+        with atomic_path(final) as tmp:
+            holder: list[Any] = [str(tmp)]
+            dist.broadcast_object_list(holder, src=0)
+            body(tmp)
+            dist.barrier()
+    else:
+        holder = [None]
+        dist.broadcast_object_list(holder, src=0)
+        body(Path(holder[0]))
+        dist.barrier()
+    dist.barrier()
+
+
+def learn(
+    params: Params,
+    iteration: int,
+    policy_path: str | Path,
+    trajectories_path: str | Path,
+    masks_path: str | Path | None,
+    out_dir: str | Path,
+    metrics_dir: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Path]:
+    """Train the policy on one iteration's rollouts; write the new policy (+ trainer state) and metrics.
+
+    Returns {"policy", "trainer_state", "metrics", "steps"} paths. `metrics_dir` defaults to
+    `<out_dir>/../learn`. Raises SmdInputError (nothing written) on bad input or a failed parity gate.
+    """
+    t_start = time.perf_counter()
+    cfg = params.learner
+    check_learner_params(cfg)
+    policy_path, out_dir = Path(policy_path), Path(out_dir)
+    metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
+    objective = cfg.objective
+    masked = objective in MASKED_OBJECTIVES
+    teacher = objective == "smd" and cfg.kl_lambda > 0
+    temperature = params.rollout.temperature
+    seed = cfg.seed if cfg.seed is not None else params.seed
+    backend = cfg.attention_backend
+    say = log or (lambda msg: None)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+
+    tokenizer = load_tokenizer(policy_path)
+    model = load_policy(policy_path, params.model.dtype)
+    mcfg = model.config
+    num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
+    data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv, need_masks=masked)
+    max_pos = getattr(mcfg, "max_position_embeddings", None)
+    longest = max(data.length(r) for r in range(len(data)))
+    if max_pos is not None and longest > max_pos:
+        raise SmdInputError(f"{data.trajectories_path}: a trajectory has {longest} tokens, more than the policy's "
+                            f"{max_pos} positions")
+    ref_model = None
+    if cfg.ref_kl_coef > 0:
+        ref_model = load_policy(cfg.reference_path, params.model.dtype)
+
+    ctx = init_distributed()
+    torch.manual_seed(seed * 1_000_003 + iteration)
+    np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
+    model.to(ctx.device)
+    model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
+    steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
+    engine = make_engine(model, cfg, ctx, grad_accum)
+    resumed = load_trainer_state(engine, policy_path, cfg, ctx) if cfg.resume_optimizer else None
+    global_step = int(resumed["global_step"]) if resumed else 0
+    module = engine.module
+    score = dict(masked=masked, temperature=temperature, micro_batch_size=cfg.micro_batch_size,
+                 backend=backend, block_size=cfg.flex_block_size, device=ctx.device)
+
+    # Parity pass: before the first optimizer step.
+    t0 = time.perf_counter()
+    my_rows = list(range(len(data)))[ctx.rank :: ctx.world]
+    old = _gather_dict(score_rows(module, data, my_rows, **score), ctx)
+    all_rows = list(range(len(data)))
+    for r in all_rows:
+        check_finite(f"learner log-probs of trajectory {data.trajectory_ids[r]}", torch.from_numpy(old[r]))
+    parity = batch_mismatch(all_rows, old, data)
+    ref: dict[int, np.ndarray] | None = None
+    if ref_model is not None:
+        ref_model.to(ctx.device)
+        ref = _gather_dict(score_rows(ref_model, data, my_rows, **score), ctx)
+        del ref_model
+    prepass_seconds = time.perf_counter() - t0
+    gap = parity["mismatch/logprob_abs_diff_max"]
+    say(f"parity: mismatch/logprob_abs_diff_max={gap:.3g} ({'masked' if masked else 'dense'} learner, "
+        f"{len(data)} trajectories, {prepass_seconds:.1f}s)")
+    if masked and not gap <= cfg.parity_tol:
+        raise SmdInputError(
+            f"parity gate: mismatch/logprob_abs_diff_max={gap:.3g} > tol {cfg.parity_tol:g} between the shadow-masked "
+            f"learner ({policy_path}) and the rollout ({data.trajectories_path}, masks {data.masks_path}); "
+            "refusing to train off-policy"
+        )
+
+    denom = row_denominators(data, cfg, old)
+    has_tokens = np.array([len(data.response_ids[r]) > 0 for r in all_rows])
+    rejected = float((has_tokens & (denom == 0)).sum() / len(data))  # sparse_rl's rejection (else 0)
+    kwargs = objective_kwargs(cfg, temperature)
+    series: list[dict[str, Any]] = []
+    train_tokens, train_seconds = 0.0, 0.0
+    num_q = mcfg.num_attention_heads
+    for step in steps:
+        t_step = time.perf_counter()
+        total = float(denom[step.rows].sum())
+        if total == 0:
+            say(f"step skipped (epoch {step.epoch}): no valid token left in the mini-batch")
+            continue
+        stats = StepStats()
+        for rows, real in step.micro:
+            mb = build_micro_batch(data, rows, masked, backend, cfg.flex_block_size, num_q, device=ctx.device)
+            dense_sel = dense_logp = None
+            if teacher:  # masked policy + dense teacher sharing the rows before the first eviction
+                sel, dense_sel, targets, valid = response_logits_with_teacher(
+                    module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
+                logp = token_logprobs(sel, targets, temperature).masked_fill(~valid, 0.0)
+                with torch.no_grad():
+                    dense_logp = token_logprobs(dense_sel, targets, temperature).masked_fill(~valid, 0.0)
+            else:
+                sel, logp = forward_logp(module, mb, masked, backend, temperature)
+            old_t = ref_t = None
+            if objective in ("tis", "sparse_rl"):
+                old_t = _rows_tensor(rows, old, mb)
+            if ref is not None:
+                ref_t = _rows_tensor(rows, ref, mb)
+            loss, terms = objective_loss(
+                objective, advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
+                masked_logp=logp if masked else None, dense_logp=None if masked else logp,
+                masked_logits=sel if masked else None, dense_logits=dense_sel,
+                old_logp=old_t, ref_logp=ref_t, **kwargs,
+            )
+            weight = float(denom[rows].sum()) / total if real else 0.0
+            engine.backward(loss * (weight * ctx.world), scale_wrt_gas=False)
+            engine.step()
+            if real:
+                stats.add(terms, weight, mb, logp, dense_logp)
+        global_step += 1
+        grad_norm = engine.get_global_grad_norm()
+        record = stats.reduce(ctx, data, step.rows)
+        seconds = time.perf_counter() - t_step
+        train_tokens += record.pop("tokens")
+        train_seconds += seconds
+        record.update({"step": global_step, "epoch": step.epoch, "seconds": seconds,
+                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")})
+        series.append(record)
+        say(f"step {global_step}: loss/total={record['loss/total']:.4g} grad_norm={record['grad_norm']:.3g} "
+            f"mismatch/logprob_abs_diff_max={record['mismatch/logprob_abs_diff_max']:.3g} ({seconds:.1f}s)")
+
+    metrics = _summary(params, iteration, data, parity, series, resumed is not None, global_step, ctx,
+                       train_tokens, train_seconds, prepass_seconds, time.perf_counter() - t_start, rejected)
+    meta = {"world_size": ctx.world, "zero_stage": cfg.zero_stage, "global_step": global_step,
+            "iteration": iteration, "objective": objective}
+
+    def write_policy(tmp: Path) -> None:
+        if ctx.is_main:
+            tmp.mkdir(parents=True, exist_ok=True)
+            module.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        if ctx.world > 1:
+            dist.barrier()
+        save_trainer_state(engine, tmp / TRAINER_STATE, meta, ctx)
+
+    _write_collectively(out_dir, ctx, write_policy)
+    if ctx.is_main:
+        with atomic_path(metrics_dir) as tmp:
+            tmp.mkdir(parents=True)
+            (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+            (tmp / "steps.json").write_text(json.dumps(series, indent=1, sort_keys=True) + "\n")
+    if ctx.world > 1:
+        dist.barrier()
+    return {
+        "policy": out_dir,
+        "trainer_state": out_dir / TRAINER_STATE,
+        "metrics": metrics_dir / "metrics.json",
+        "steps": metrics_dir / "steps.json",
+    }
+
+
+def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch) -> torch.Tensor:
+    out = torch.zeros_like(mb.rollout_logp)
+    for b, r in enumerate(rows):
+        out[b, : mb.resp_lens[b]] = torch.from_numpy(values[r]).to(out)
+    return out
+
+
+def _summary(params: Params, iteration: int, data: LearnerData, parity: dict[str, float], series: list[dict],
+             resumed: bool, global_step: int, ctx: DistContext, train_tokens: float, train_seconds: float,
+             prepass_seconds: float, seconds: float, rejected: float) -> dict[str, Any]:
+    """metrics.json: parity (before any step) under mismatch/*, step means under loss/*, pg/*, grad_norm."""
+    cfg = params.learner
+    out: dict[str, Any] = {
+        "iteration": iteration,
+        "objective": cfg.objective,
+        "attention_backend": cfg.attention_backend,
+        "trajectories": len(data),
+        "response_tokens": data.num_response_tokens,
+        "reward/mean": float(np.mean(data.rewards)),
+        "reward/std": float(np.std(data.rewards)),
+        **parity,
+        "rejection/seq_fraction": 0.0,
+        "learner/steps": len(series),
+        "learner/global_step": global_step,
+        "learner/resumed_optimizer": bool(resumed),
+        "learner/world_size": ctx.world,
+        "learner/tokens_per_s": train_tokens / train_seconds if train_seconds > 0 else 0.0,
+        "learner/seconds": seconds,
+        "learner/parity_seconds": prepass_seconds,
+        "learner/peak_rss_mb": _peak_rss_mb(),
+    }
+    if ctx.device.type == "cuda":
+        out["learner/peak_device_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
+    if cfg.objective == "sparse_rl":
+        out["rejection/seq_fraction"] = rejected
+    keys = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total", "pg/clipfrac", "pg/ratio_mean", "pg/approx_kl",
+            "grad_norm", "is_weight/mean")
+    for key in keys:
+        values = [s[key] for s in series if key in s and math.isfinite(s[key])]
+        if values:
+            out[key] = float(np.mean(values))
+    if series:
+        out["grad_norm_max"] = float(max(s["grad_norm"] for s in series))
+        for key in ("mismatch/logprob_abs_diff_max", "mismatch/kl"):
+            out[f"final/{key}"] = series[-1][key]
+    return out
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

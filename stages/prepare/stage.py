@@ -1,0 +1,141 @@
+"""`prepare` stage entry: build the train/eval prompt tables for one task."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+from schemas.params.prepare import SYNTHETIC_TASKS, PrepareParams
+from schemas.tables import write_table
+from stages.model import load_tokenizer
+from stages.prepare import loaders, synthetic
+
+
+def _synthetic_rows(cfg: PrepareParams, tokenizer, seed: int, split: str, n: int) -> list[dict[str, Any]]:
+    rows = []
+    for i, (prompt, reference) in enumerate(synthetic.generate(cfg.task, cfg, seed, split, n)):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        rows.append(
+            {
+                "prompt_id": f"{cfg.task}-{split}-{i:06d}",
+                "task": cfg.task,
+                "prompt": prompt,
+                "prompt_token_ids": ids,
+                "reference": reference,
+            }
+        )
+    return rows
+
+
+def _dataset_rows(
+    cfg: PrepareParams, tokenizer, examples: list[loaders.Example], split: str, limit: int, source: str
+) -> tuple[list[dict[str, Any]], int]:
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    dropped = 0
+    for ex in examples:
+        if len(rows) >= limit:
+            break
+        if cfg.max_reference_chars and len(ex.reference) > cfg.max_reference_chars:
+            dropped += 1
+            continue
+        rendered = loaders.render(ex, tokenizer, cfg.max_prompt_tokens)
+        if rendered is None:
+            dropped += 1
+            continue
+        prompt, ids = rendered
+        pid, k = ex.source_id, 2
+        while pid in seen:
+            pid, k = f"{ex.source_id}#{k}", k + 1
+        seen.add(pid)
+        rows.append(
+            {
+                "prompt_id": pid,
+                "task": cfg.task,
+                "prompt": prompt,
+                "prompt_token_ids": ids,
+                "reference": ex.reference,
+            }
+        )
+    if not rows:
+        why = (
+            f" ({dropped} examples longer than prepare.max_prompt_tokens or max_reference_chars)"
+            if dropped
+            else ""
+        )
+        raise SmdInputError(f"{source}: {split} split is empty (no usable examples){why}")
+    return rows, dropped
+
+
+def _stats(rows: list[dict[str, Any]], tokenizer) -> dict[str, Any]:
+    plen = [len(r["prompt_token_ids"]) for r in rows]
+    rlen = [len(tokenizer(r["reference"], add_special_tokens=False)["input_ids"]) for r in rows]
+    return {
+        "rows": len(rows),
+        "prompt_tokens_mean": sum(plen) / len(plen),
+        "prompt_tokens_max": max(plen),
+        "reference_tokens_mean": sum(rlen) / len(rlen),
+        "reference_tokens_max": max(rlen),
+    }
+
+
+def run_prepare(
+    cfg: PrepareParams, tokenizer_path: str | Path, out_dir: str | Path, seed: int = 0
+) -> dict[str, Path]:
+    """Write `train.arrow`, `eval.arrow` (prompts tables) and `stats.json` under `out_dir`.
+
+    Prompts are tokenized with the policy's tokenizer at `tokenizer_path` (no special tokens added).
+    Everything is built and validated in memory first, so bad input leaves nothing behind.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = load_tokenizer(tokenizer_path)
+    dropped = {"train": 0, "eval": 0}
+    if cfg.task in SYNTHETIC_TASKS:
+        splits = {
+            "train": _synthetic_rows(cfg, tokenizer, seed, "train", cfg.num_train),
+            "eval": _synthetic_rows(cfg, tokenizer, seed, "eval", cfg.num_eval),
+        }
+    else:
+        train_path = Path(cfg.train_file)
+        train_examples = loaders.load_examples(cfg.task, train_path)
+        if not train_examples:
+            raise SmdInputError(f"{train_path}: train split is empty (no records)")
+        if cfg.eval_file:
+            eval_path = Path(cfg.eval_file)
+            eval_examples = loaders.load_examples(cfg.task, eval_path)
+            if not eval_examples:
+                raise SmdInputError(f"{eval_path}: eval split is empty (no records)")
+        else:
+            eval_path = train_path
+            shuffled = list(train_examples)
+            random.Random(f"smd-prepare-split:{cfg.task}:{seed}").shuffle(shuffled)
+            held_out = min(cfg.num_eval, len(shuffled) // 2)
+            if held_out == 0:
+                raise SmdInputError(
+                    f"{train_path}: eval split is empty ({len(shuffled)} record; set prepare.eval_file or add records)"
+                )
+            eval_examples, train_examples = shuffled[:held_out], shuffled[held_out:]
+        splits = {}
+        splits["train"], dropped["train"] = _dataset_rows(
+            cfg, tokenizer, train_examples, "train", cfg.num_train, str(train_path)
+        )
+        splits["eval"], dropped["eval"] = _dataset_rows(
+            cfg, tokenizer, eval_examples, "eval", cfg.num_eval, str(eval_path)
+        )
+
+    config = {"prepare": cfg.model_dump(), "seed": seed, "tokenizer": str(tokenizer_path)}
+    stats = {
+        "task": cfg.task,
+        **{split: {**_stats(rows, tokenizer), "dropped": dropped[split]} for split, rows in splits.items()},
+    }
+    written: dict[str, Path] = {}
+    for split, rows in splits.items():
+        written[split] = write_table(rows, out_dir / f"{split}.arrow", "prompts", {**config, "split": split})
+    with atomic_path(out_dir / "stats.json") as tmp:
+        tmp.write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    written["stats"] = out_dir / "stats.json"
+    return written

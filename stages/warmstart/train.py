@@ -1,0 +1,205 @@
+"""`warmstart` stage: supervised next-token training on the task's train split (loss on response tokens).
+
+The response is the reference text followed by EOS, tokenized with the policy's tokenizer and appended
+to the prompt's stored token ids. After training, a greedy `model.generate` pass over the eval split
+measures exact match and the task reward (schemas.rewards). Writes the Hugging Face policy directory
+and metrics.json atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+from schemas.params.model import ModelParams
+from schemas.params.warmstart import WarmstartParams
+from schemas.rewards import exact_match, metric_name, score
+from schemas.tables import read_table
+from stages.model import load_policy, load_tokenizer
+
+
+def response_ids(tokenizer, reference: str) -> list[int]:
+    """Token ids of the target response: the reference (after a space, as it follows the cue) and EOS."""
+    if tokenizer.eos_token_id is None:
+        raise SmdInputError("tokenizer: eos_token: missing (the response must end with EOS)")
+    return tokenizer(" " + reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and per-position targets (-100 outside the response)."""
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        mask[i, :n] = 1
+        labels[i, len(p) : n] = torch.tensor(r)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def response_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over response tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100
+    )
+
+
+def _lr_at(step: int, cfg: WarmstartParams) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def greedy_eval(
+    model, tokenizer, rows: list[dict[str, Any]], batch_size: int, max_new_tokens: int
+) -> dict[str, Any]:
+    """Greedy decoding (left-padded batches, model.generate) and task scores over `rows`."""
+    model.eval()
+    pad_id = tokenizer.pad_token_id
+    hits, rewards, samples = 0, 0.0, []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        width = max(len(r["prompt_token_ids"]) for r in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, r in enumerate(chunk):
+            p = r["prompt_token_ids"]
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        for r, seq in zip(chunk, out[:, width:].tolist(), strict=True):
+            text = tokenizer.decode(seq, skip_special_tokens=True)
+            ok = exact_match(r["task"], text, r["reference"])
+            hits += ok
+            rewards += score(r["task"], text, r["reference"])
+            if len(samples) < 5:
+                samples.append(
+                    {
+                        "prompt_id": r["prompt_id"],
+                        "response": text,
+                        "reference": r["reference"],
+                        "exact_match": ok,
+                    }
+                )
+    n = len(rows)
+    return {"exact_match": hits / n, "reward": rewards / n, "eval_rows": n, "samples": samples}
+
+
+def run_warmstart(
+    cfg: WarmstartParams,
+    model_cfg: ModelParams,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    seed: int = 0,
+) -> dict[str, Path]:
+    """Train the policy at `model_cfg.init_path` on `data_dir/train.arrow`; evaluate on `data_dir/eval.arrow`.
+
+    Writes `out_dir/policy` (Hugging Face model + tokenizer) and `out_dir/metrics.json`.
+    """
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    train = read_table(data_dir / "train.arrow", "prompts").to_pylist()
+    evaluation = read_table(data_dir / "eval.arrow", "prompts").to_pylist()
+    tokenizer = load_tokenizer(model_cfg.init_path)
+    model = load_policy(model_cfg.init_path, dtype=model_cfg.dtype)
+    task = train[0]["task"]
+
+    prompts = [r["prompt_token_ids"] for r in train]
+    responses = [response_ids(tokenizer, r["reference"]) for r in train]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    if limit and longest > limit:
+        raise SmdInputError(
+            f"{data_dir / 'train.arrow'}: prompt_token_ids: a sequence of {longest} tokens exceeds the model's "
+            f"max_position_embeddings={limit}"
+        )
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
+    model.train()
+    order: list[int] = []
+    started = time.monotonic()
+    losses: list[float] = []
+    steps_done = 0
+    stopped_early = False
+    for step in range(cfg.steps):
+        if cfg.max_minutes and time.monotonic() - started > cfg.max_minutes * 60:
+            stopped_early = True
+            break
+        if len(order) < cfg.batch_size:
+            order += torch.randperm(len(train), generator=gen).tolist()
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        batch = _batch([prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss = response_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+        steps_done = step + 1
+        if steps_done % cfg.log_every == 0 or steps_done == cfg.steps:
+            recent = losses[-cfg.log_every :]
+            elapsed = (time.monotonic() - started) / 60
+            print(
+                f"warmstart step {steps_done}/{cfg.steps} loss {sum(recent) / len(recent):.4f} {elapsed:.2f} min",
+                file=sys.stderr,
+                flush=True,
+            )
+    train_minutes = (time.monotonic() - started) / 60
+
+    ref_tokens = max(len(response_ids(tokenizer, r["reference"])) for r in evaluation)
+    max_new = cfg.eval_max_new_tokens or ref_tokens + 4
+    eval_started = time.monotonic()
+    result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, max_new)
+    tail = losses[-min(len(losses), cfg.log_every) :]
+    metrics = {
+        "task": task,
+        "metric": metric_name(task),
+        "exact_match": result["exact_match"],
+        "reward": result["reward"],
+        "eval_rows": result["eval_rows"],
+        "steps": steps_done,
+        "stopped_early": stopped_early,
+        "final_loss": sum(tail) / len(tail) if tail else None,
+        "train_minutes": train_minutes,
+        "eval_minutes": (time.monotonic() - eval_started) / 60,
+        "minutes": (time.monotonic() - started) / 60,
+        "samples": result["samples"],
+    }
+    model.eval()
+    written = {"policy": out_dir / "policy", "metrics": out_dir / "metrics.json"}
+    with atomic_path(written["policy"]) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    with atomic_path(written["metrics"]) as tmp:
+        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+    return written

@@ -1,0 +1,301 @@
+"""Learner stage: parity through the learner's batching for every eviction policy, GRPO under DeepSpeed,
+artifacts, resume, the parity gate and bad input (one line, exit code 2, nothing written)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from schemas.errors import SmdInputError
+from schemas.mask_store import open_mask_store, write_mask_store
+from schemas.params import load_params
+from schemas.params.compaction import CompactionParams
+from schemas.params.rollout import POLICIES
+from schemas.tables import TRAJECTORIES_SCHEMA, read_table, table_config, write_table
+from stages.compaction import compact
+from stages.learner.data import load_learner_data
+from stages.learner.train import learn, score_rows
+from stages.model import load_policy
+from stages.rollout.stage import rollout
+from tests.helpers import make_model_dir, random_prompts
+
+TOL = 1e-5
+BASE = {
+    "rollout.prompts_per_iteration": 3,
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 7,
+    "rollout.batch_size": 6,
+    "rollout.temperature": 0.8,
+    "rollout.eviction.window": 4,
+    "rollout.eviction.sinks": 2,
+    "learner.micro_batch_size": 2,
+    "learner.lr": 1e-3,
+}
+
+
+def make_params(**over):
+    return load_params(None, [f"{k}={v}" for k, v in {**BASE, **over}.items()])
+
+
+def make_prompts(root: Path, lengths=(30, 45, 38), seed: int = 1) -> Path:
+    rows = [
+        {"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": "cat"}
+        for i, ids in enumerate(random_prompts(list(lengths), seed=seed))
+    ]
+    return write_table(rows, root / "train.arrow", "prompts")
+
+
+def set_rewards(path: Path, seed: int = 0) -> None:
+    """Replace the (all-zero, random-policy) rewards with varied ones so GRPO advantages are non-zero."""
+    table = read_table(path, "trajectories")
+    rows = table.to_pylist()
+    rng = np.random.default_rng(seed)
+    for row in rows:
+        row["reward"] = float(rng.integers(0, 3))
+    write_table(rows, path, "trajectories", table_config(table))
+
+
+def make_iteration(root: Path, model_dir: Path, prompts: Path, params, name: str = "it1") -> tuple[Path, Path]:
+    """Rollout (with varied rewards) + compaction: (trajectories.arrow, masks.zarr)."""
+    out = rollout(params, 1, model_dir, prompts, root / name / "rollout", show_progress=False)
+    set_rewards(out["trajectories"])
+    c = compact(CompactionParams(chunk_rows=2), out["trajectories"], out["raw_masks"], root / name / "compact" / "masks.zarr")
+    return out["trajectories"], c["masks"]
+
+
+def params_of(policy_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(policy_dir / "model.safetensors"))
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learner")
+    model_dir = make_model_dir(root, "gqa")
+    prompts = make_prompts(root)
+    traj, masks = make_iteration(root, model_dir, prompts, make_params())
+    return root, model_dir, prompts, traj, masks
+
+
+# ------------------------------------------------------------------------------------------ parity
+@pytest.mark.parametrize("policy", POLICIES)
+def test_learner_parity_every_policy(tmp_path, setup, policy):
+    """Through the learner's code path (table + mask store, length-grouped micro-batches, right padding), the
+    shadow-masked log-probs equal the rollout's within 1e-5; the dense learner's do not."""
+    _, model_dir, _, _, _ = setup
+    prompts = make_prompts(tmp_path, lengths=(41, 23, 34, 29), seed=5)
+    params = make_params(**{"rollout.eviction.policy": policy, "rollout.prompts_per_iteration": 4,
+                            "rollout.max_new_tokens": 12})
+    traj, masks = make_iteration(tmp_path, model_dir, prompts, params)
+    model = load_policy(model_dir)
+    data = load_learner_data(params.learner, traj, masks, 2, 2, need_masks=True)
+    assert len({data.length(r) for r in range(len(data))}) > 1  # padding inside micro-batches
+    rows = list(range(len(data)))
+    kw = dict(temperature=0.8, micro_batch_size=3)
+    shadow = score_rows(model, data, rows, masked=True, **kw)
+    dense = score_rows(model, data, rows, masked=False, **kw)
+    d_shadow = max(float(np.abs(shadow[r] - data.rollout_logprobs[r]).max()) for r in rows)
+    d_dense = max(float(np.abs(dense[r] - data.rollout_logprobs[r]).max()) for r in rows)
+    assert d_shadow <= TOL
+    if policy != "dense":
+        assert d_dense > 1e-3
+    else:
+        assert d_dense <= TOL
+
+
+# ------------------------------------------------------------------------------------------ the stage
+def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
+    root, model_dir, _, traj, masks = setup
+    before = params_of(model_dir)
+    out = learn(make_params(), 1, model_dir, traj, masks, tmp_path / "iter-001" / "policy")
+    assert out["metrics"] == tmp_path / "iter-001" / "learn" / "metrics.json"
+    policy = load_policy(out["policy"])  # Hugging Face format
+    assert (out["policy"] / "tokenizer.json").exists()
+    assert (out["trainer_state"] / "trainer_state.json").exists()
+    after = params_of(out["policy"])
+    assert max_param_diff(before, after) > 1e-5  # it trained
+    m = json.loads(out["metrics"].read_text())
+    assert m["mismatch/logprob_abs_diff_max"] <= TOL  # parity before the first step
+    for key in ("mismatch/kl", "mismatch/k3_kl", "mismatch/logprob_abs_diff_mean", "mismatch/is_ratio_mean",
+                "mismatch/is_ratio_min", "mismatch/is_ratio_max", "mismatch/ess", "rejection/seq_fraction",
+                "reward/mean", "loss/pg", "loss/kl_dense", "loss/total", "grad_norm", "learner/tokens_per_s",
+                "learner/peak_rss_mb"):
+        assert key in m and np.isfinite(m[key]), key
+    assert m["loss/kl_dense"] > 0 and m["grad_norm"] > 0 and m["learner/global_step"] == 1
+    steps = json.loads(out["steps"].read_text())
+    assert [s["step"] for s in steps] == [1] and "loss/total" in steps[0]
+    assert "dense_mismatch/logprob_abs_diff_max" in steps[0]
+    assert policy.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("objective", ["shadow", "tis", "sparse_rl"])
+def test_other_objectives_run(tmp_path, setup, objective):
+    root, model_dir, _, traj, masks = setup
+    out = learn(make_params(**{"learner.objective": objective}), 1, model_dir, traj, masks, tmp_path / "policy")
+    m = json.loads(out["metrics"].read_text())
+    assert m["objective"] == objective and m["learner/steps"] == 1
+    if objective == "shadow":
+        assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["loss/kl_dense"] == 0
+    else:  # dense learners log the real context mismatch
+        assert m["mismatch/logprob_abs_diff_max"] > 1e-3
+        assert 0 <= m["rejection/seq_fraction"] <= 1
+
+
+def test_resume_equals_uninterrupted(tmp_path, setup):
+    """Two steps in one run == one step, save, resume the optimizer state, one more step (same batch)."""
+    root, model_dir, _, traj, masks = setup
+    common = {"learner.objective": "dense", "learner.updates_per_epoch": 1}
+    a = learn(make_params(**common, **{"learner.epochs": 2}), 1, model_dir, traj, masks, tmp_path / "a" / "policy")
+    b1 = learn(make_params(**common), 1, model_dir, traj, masks, tmp_path / "b1" / "policy")
+    b2 = learn(make_params(**common), 2, b1["policy"], traj, masks, tmp_path / "b2" / "policy")
+    m = json.loads(b2["metrics"].read_text())
+    assert m["learner/resumed_optimizer"] and m["learner/global_step"] == 2
+    assert max_param_diff(params_of(a["policy"]), params_of(b2["policy"])) <= 1e-6
+    fresh = learn(make_params(**common, **{"learner.resume_optimizer": False}), 2, b1["policy"], traj, masks,
+                  tmp_path / "fresh" / "policy")
+    assert max_param_diff(params_of(a["policy"]), params_of(fresh["policy"])) > 1e-5  # the state mattered
+
+
+def test_micro_batching_does_not_change_the_update(tmp_path, setup):
+    """Gradient accumulation is exact: micro-batch 1 and 6 (whole batch) give the same update. (Adam's first
+    step lr * g / (|g| + eps) amplifies the float noise of gradients near eps by lr / eps: adam_eps 1e-6.)"""
+    root, model_dir, _, traj, masks = setup
+    over = {"learner.grad_clip": 0, "learner.lr": 1e-4, "learner.adam_eps": 1e-6}
+    outs = [learn(make_params(**over, **{"learner.micro_batch_size": mbs}), 1, model_dir, traj, masks,
+                  tmp_path / f"mbs{mbs}" / "policy") for mbs in (1, 6)]
+    before, a, b = params_of(model_dir), params_of(outs[0]["policy"]), params_of(outs[1]["policy"])
+    assert max_param_diff(before, a) > 5e-5
+    assert max_param_diff(a, b) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------ gate + bad input
+def corrupt_store(src: Path, dst: Path, shift: int = 1) -> Path:
+    """A structurally valid store whose keys stay visible `shift` queries longer than the rollout's."""
+    store = open_mask_store(src)
+    ev = np.asarray(store.evict_at[...]).astype(np.int64)
+    lengths = store.lengths()
+    row_len = np.repeat(lengths, lengths)[:, None]
+    bad = np.minimum(ev + shift, row_len)
+    return write_mask_store(dst, evict_at=bad, offsets=store.offsets, prompt_len=store.prompt_len,
+                            table_row=store.table_row, column_map=store.column_map,
+                            eviction=store.attrs["eviction"], config=store.attrs["config"],
+                            retention=store.attrs["retention"])
+
+
+def assert_nothing_written(tmp_path: Path, model_dir: Path, digest: str) -> None:
+    assert not (tmp_path / "iter-001").exists()
+    assert tree_digest(model_dir) == digest  # the previous checkpoint is untouched
+
+
+def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
+    root, model_dir, _, traj, masks = setup
+    digest = tree_digest(model_dir)
+    bad = corrupt_store(masks, tmp_path / "bad.zarr")
+    out = tmp_path / "iter-001" / "policy"
+    with pytest.raises(SmdInputError, match=r"parity gate: mismatch/logprob_abs_diff_max=.* > tol 0.0001"):
+        learn(make_params(), 1, model_dir, traj, bad, out)
+    assert_nothing_written(tmp_path, model_dir, digest)
+
+    from cli.main import app
+
+    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(tmp_path / "none.yaml"), "--policy",
+                                   str(model_dir), "--trajectories", str(traj), "--masks", str(bad), "--out", str(out),
+                                   "--metrics-dir", str(tmp_path / "iter-001" / "learn")])
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].endswith("refusing to train off-policy")
+    assert_nothing_written(tmp_path, model_dir, digest)
+    # The dense baseline has no gate: it logs the mismatch instead.
+    m = learn(make_params(**{"learner.objective": "dense"}), 1, model_dir, traj, bad, tmp_path / "d" / "policy")
+    assert json.loads(m["metrics"].read_text())["mismatch/logprob_abs_diff_max"] > 1e-3
+
+
+def _write_raw_table(rows: list[dict], path: Path) -> Path:
+    """Write a trajectory table without write_table's validation (to hand the learner bad files)."""
+    table = pa.Table.from_pylist(rows, schema=TRAJECTORIES_SCHEMA).replace_schema_metadata(
+        {b"schema_version": b"1", b"kind": b"trajectories", b"config": b"{}"})
+    feather.write_feather(table, str(path), compression="uncompressed")
+    return path
+
+
+def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
+    root, model_dir, prompts, traj, masks = setup
+    digest = tree_digest(model_dir)
+    out = tmp_path / "iter-001" / "policy"
+    p = make_params()
+
+    def fails(match, params=p, policy=model_dir, trajectories=traj, mask_store=masks):
+        with pytest.raises(SmdInputError, match=match) as err:
+            learn(params, 1, policy, trajectories, mask_store, out)
+        assert "\n" not in str(err.value)
+        assert_nothing_written(tmp_path, model_dir, digest)
+
+    # masks that do not match the trajectories
+    other_rows, other_masks = make_iteration(tmp_path, model_dir, prompts,
+                                             make_params(**{"rollout.prompts_per_iteration": 2}), "rows")
+    fails("num_rows: 4 mask rows for 6 trajectories", mask_store=other_masks)
+    _, longer = make_iteration(tmp_path, model_dir, prompts, make_params(**{"rollout.max_new_tokens": 5}), "len")
+    fails("offsets: mask row 0 has", mask_store=longer)
+    mha = make_model_dir(tmp_path, "mha")
+    fails("masks have 2 layers x 2 KV heads, the policy 3 x 3", policy=mha)
+    fails("missing compacted mask store", mask_store=tmp_path / "nope.zarr")
+    # NaN / inf in rewards or log-probs, empty batch
+    rows = read_table(traj, "trajectories").to_pylist()
+    nan_reward = [dict(r) for r in rows]
+    nan_reward[1]["reward"] = float("nan")
+    fails("reward: row 1 is nan", trajectories=_write_raw_table(nan_reward, tmp_path / "nan.arrow"))
+    inf_lp = [dict(r) for r in rows]
+    inf_lp[2]["rollout_logprobs"] = [float("-inf")] + inf_lp[2]["rollout_logprobs"][1:]
+    fails("rollout_logprobs: row 2 has a non-finite value", trajectories=_write_raw_table(inf_lp, tmp_path / "inf.arrow"))
+    fails("empty trajectories table", trajectories=_write_raw_table([], tmp_path / "empty.arrow"))
+    # unknown objective, lambda < 0: refused when params are read, and by learn() itself
+    with pytest.raises(SmdInputError, match="learner.objective: .*unknown objective 'ppo'"):
+        make_params(**{"learner.objective": "ppo"})
+    with pytest.raises(SmdInputError, match="learner.kl_lambda"):
+        make_params(**{"learner.kl_lambda": -0.1})
+    fails("unknown objective 'ppo'", params=p.model_copy(update={"learner": p.learner.model_copy(update={"objective": "ppo"})}))
+    fails("kl_lambda: must be >= 0", params=p.model_copy(update={"learner": p.learner.model_copy(update={"kl_lambda": -0.1})}))
+
+    from cli.main import app
+
+    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(tmp_path / "none.yaml"), "-S",
+                                   "learner.kl_lambda=-1", "--policy", str(model_dir), "--out", str(out)])
+    assert res.exit_code == 2 and "learner.kl_lambda" in res.output
+    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(tmp_path / "none.yaml"), "--policy",
+                                   str(model_dir), "--trajectories", str(traj), "--masks", str(other_masks),
+                                   "--out", str(out), "--metrics-dir", str(tmp_path / "iter-001" / "learn")])
+    assert res.exit_code == 2 and "num_rows" in res.output
+    assert_nothing_written(tmp_path, model_dir, digest)
+
+
+def test_flex_backend_learns_like_sdpa(tmp_path, setup):
+    """The FlexAttention learner (block mask from evict_at, CPU block-sparse backward) passes the parity gate and
+    makes the same update as the SDPA reference."""
+    root, model_dir, _, traj, masks = setup
+    over = {"learner.lr": 1e-4, "learner.adam_eps": 1e-6, "learner.flex_block_size": 16}
+    outs = {b: learn(make_params(**over, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
+                     tmp_path / b / "policy") for b in ("sdpa", "flex")}
+    m = json.loads(outs["flex"]["metrics"].read_text())
+    assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["attention_backend"] == "flex"
+    assert max_param_diff(params_of(outs["sdpa"]["policy"]), params_of(outs["flex"]["policy"])) <= 1e-6

@@ -1,0 +1,56 @@
+"""Two learner processes (gloo, DeepSpeed data parallel) make the same update as one on the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from stages.learner.train import learn
+from tests.helpers import make_model_dir
+from tests.test_learner import make_iteration, make_params, make_prompts, max_param_diff, params_of
+
+# 3 prompts x 3 responses = 9 rows: ranks get 5 and 4 rows, i.e. 3 and 2 (+1 zero-weight filler) micro-batches.
+# Adam's first step is lr * g / (|g| + eps): for weights whose gradient is ~eps it amplifies the float32
+# summation-order noise of g (different micro-batches, an all-reduce) by lr / eps; adam_eps 1e-6 keeps that
+# below the 1e-6 tolerance while the update itself is ~lr = 1e-4 per weight.
+OVER = {"rollout.group_size": 3, "learner.micro_batch_size": 2, "learner.lr": 1e-4, "learner.adam_eps": 1e-6,
+        "learner.num_threads": 1}
+
+
+def _worker(rank: int, world: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    zero_stage, model_dir, traj, masks, out = args
+    learn(make_params(**OVER, **{"learner.zero_stage": zero_stage}), 1, model_dir, traj, masks, out)
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_two_processes_equal_one(tmp_path: Path, zero_stage: int):
+    model_dir = make_model_dir(tmp_path, "gqa")
+    prompts = make_prompts(tmp_path)
+    traj, masks = make_iteration(tmp_path, model_dir, prompts, make_params(**OVER))
+    one = tmp_path / "one" / "policy"
+    two = tmp_path / "two" / "policy"
+    for world, out in ((1, one), (2, two)):
+        mp.spawn(_worker, args=(world, _free_port(), (zero_stage, model_dir, traj, masks, out)), nprocs=world,
+                 join=True)
+    before, a, b = params_of(model_dir), params_of(one), params_of(two)
+    assert max_param_diff(before, a) > 5e-5  # a real update (lr 1e-4)
+    assert max_param_diff(a, b) <= 1e-6
+    norms = [json.loads((d.parent / "learn" / "steps.json").read_text())[0]["grad_norm"] for d in (one, two)]
+    assert abs(norms[0] - norms[1]) <= 1e-6 * norms[0]  # the same global gradient
+    assert (two / "trainer_state" / "trainer_state.json").read_text().count('"world_size": 2') == 1
