@@ -60,5 +60,22 @@ def bench_rollout_cmd(
     guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size, new_tokens))
 
 
+@bench_app.command("learner")
+def bench_learner_cmd(
+    lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths T.")] = "512,2048,4096",
+    modes: Annotated[str, typer.Option(help="Comma-separated learners: dense,smd_flex,smd_sdpa,smd_gather.")] = (
+        "dense,smd_flex,smd_sdpa,smd_gather"),
+    rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (median per learner).")] = 3,
+    block_size: Annotated[int, typer.Option(help="FlexAttention / gather block size.")] = 128,
+    threads: Annotated[int, typer.Option(help="torch threads per configuration (0 = torch's default).")] = 1,
+) -> None:
+    """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
+    from stages.learner.bench import run_learner_bench
+
+    guarded(lambda: run_learner_bench([int(x) for x in lengths.split(",") if x],
+                                      [m.strip() for m in modes.split(",") if m.strip()], rounds=rounds,
+                                      block_size=block_size, threads=threads))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,13 +29,12 @@ def register(app: typer.Typer) -> None:
         metrics_dir: Annotated[Path | None, typer.Option(
             help="Metrics directory (default: artifacts/iter-NNN/learn).")] = None,
         quiet: Annotated[bool, typer.Option(help="No per-step lines on stderr.")] = False,
-        local_rank: Annotated[int | None, typer.Option(
-            "--local_rank", "--local-rank", hidden=True, help="Set by the deepspeed launcher (LOCAL_RANK env is used).")] = None,
     ) -> None:
         """Shadow-masked GRPO (or a baseline objective) on the iteration's rollouts; writes the next policy.
 
-        One process by default; several through the launcher, e.g.
-        `deepspeed --num_gpus 2 $(which smdctl) learn -i 1` (on CPU: DS_ACCELERATOR=cpu, gloo).
+        One process by default; several through the DeepSpeed launcher (RANK/WORLD_SIZE from its env), e.g.
+        `deepspeed --no_local_rank --num_gpus 2 $(which smdctl) learn -i 1` (on CPU add DS_ACCELERATOR=cpu:
+        gloo backend).
         """
         from stages.learner.train import learn, stderr_log
 
@@ -48,4 +48,5 @@ def register(app: typer.Typer) -> None:
             metrics_dir or base / "learn",
             log=None if quiet else stderr_log,
         ))
-        echo_written(written)
+        if os.environ.get("RANK", "0") == "0":
+            echo_written(written)

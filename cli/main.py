@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import typer
 
@@ -17,8 +18,13 @@ app = typer.Typer(
 
 
 @app.callback()
-def main() -> None:
+def main(
+    local_rank: int | None = typer.Option(None, "--local_rank", "--local-rank", hidden=True,
+                                          help="Set by the `deepspeed` launcher; exported as LOCAL_RANK."),
+) -> None:
     """smdctl: run one pipeline stage; parameters come from params.yaml (override with -S key=value)."""
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
 # One module per command (or command group); each exposes register(app).
@@ -34,6 +40,7 @@ COMMAND_MODULES = [
     "cli.inspect",
     "cli.bench",
     "cli.progress",
+    "cli.params_cmd",
 ]
 
 for _name in COMMAND_MODULES:

@@ -146,6 +146,8 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
     steps = json.loads(out["steps"].read_text())
     assert [s["step"] for s in steps] == [1] and "loss/total" in steps[0]
     assert "dense_mismatch/logprob_abs_diff_max" in steps[0]
+    # the training forward (shared prefill, dense teacher + masked policy) also reproduces the rollout
+    assert steps[0]["mismatch/logprob_abs_diff_max"] <= TOL < steps[0]["dense_mismatch/logprob_abs_diff_max"]
     assert policy.config.num_hidden_layers == 2
 
 
@@ -299,3 +301,16 @@ def test_flex_backend_learns_like_sdpa(tmp_path, setup):
     m = json.loads(outs["flex"]["metrics"].read_text())
     assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["attention_backend"] == "flex"
     assert max_param_diff(params_of(outs["sdpa"]["policy"]), params_of(outs["flex"]["policy"])) <= 1e-6
+
+
+def test_several_updates_and_reference_kl(tmp_path, setup):
+    """updates_per_epoch splits the batch into shuffled mini-batches (one optimizer step each); the reference
+    KL is 0 while the policy equals the reference and positive once it moved."""
+    root, model_dir, _, traj, masks = setup
+    params = make_params(**{"learner.updates_per_epoch": 2, "learner.epochs": 2, "learner.ref_kl_coef": 0.1,
+                            "learner.reference_path": str(model_dir)})
+    out = learn(params, 1, model_dir, traj, masks, tmp_path / "policy")
+    steps = json.loads(out["steps"].read_text())
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and [s["epoch"] for s in steps] == [0, 0, 1, 1]
+    assert steps[0]["loss/kl_ref"] == pytest.approx(0.0, abs=1e-9) and steps[-1]["loss/kl_ref"] > 0
+    assert steps[0]["mismatch/logprob_abs_diff_max"] <= TOL < steps[-1]["mismatch/logprob_abs_diff_max"]  # drift

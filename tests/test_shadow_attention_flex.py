@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from schemas.masks import visibility
 from stages.compaction.synthetic import eviction_config, synthetic_evict_at
-from stages.learner.flex_backend import block_structure, build_block_mask, build_block_masks, flex_shadow_attention
+from stages.learner.flex_backend import (
+    block_structure,
+    build_block_mask,
+    build_block_masks,
+    flex_shadow_attention,
+    pad_evict_at_to,
+    padded_length,
+)
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.model import load_policy
 from tests.helpers import make_model_dir
@@ -30,8 +37,6 @@ def test_block_classification_is_exact(policy):
     """empty / full / partial from per-block min/max of evict_at equals the dense mask's blocks."""
     bs = 16
     ev = _evict_at(policy, [150, 97], prompt=40)[0]  # [B, H, T]
-    from stages.learner.flex_backend import pad_evict_at_to, padded_length
-
     Tp = padded_length(ev.shape[-1], bs)
     evp = pad_evict_at_to(ev, Tp)
     nonempty, full = block_structure(evp, bs)

@@ -10,12 +10,12 @@ several sequence lengths, side by side:
                any query of the block still sees (copies kept for backward), then masked attention (whole
                sequence; dense teacher as a separate no_grad pass first)
 
-Each configuration runs in its own subprocess (peak memory is per process on a CPU): a warm-up step at a
-short length (compiles FlexAttention), then `steps` timed steps at T. Peak memory is the step's working
-memory, measured on one more step after the timed ones: peak resident set (VmHWM, reset through
-/proc/self/clear_refs) minus the resident set just before that step (model, optimizer state, inputs),
-with glibc set to mmap every allocation >= 64 KiB (mallopt) so that the resident set follows live memory
-(the timed steps run with the default allocator).
+Time: per T, one subprocess builds the model once, warms every learner up (FlexAttention compiles) and
+then times them round-robin (`rounds` rounds, median): load drift on the shared machine hits all alike.
+Memory: per T and learner, its own subprocess (peak memory is per process on a CPU): a warm-up step, then
+one step whose working memory is measured: peak resident set (VmHWM, reset through /proc/self/clear_refs)
+minus the resident set just before it (model, optimizer state, inputs), with glibc set to mmap every
+allocation >= 64 KiB (mallopt) so that the resident set follows live memory.
 
 Masks are synthetic SnapKV-like schedules (`stages.compaction.synthetic`, keep ratio 0.5) over a
 prompt of 3/4 T and a response of T/4 (the learner's loss covers the response). Random weights.
@@ -118,93 +118,96 @@ def _setup(T: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _child(mode: str, T: int, steps: int, block_size: int, warmup_T: int, threads: int) -> dict[str, Any]:
-    import torch
+class _Learner:
+    """The tiny default model, one AdamW, and a `step(mode)` per learner on one prepared sequence of T tokens."""
 
-    if threads:
-        torch.set_num_threads(threads)
-    from transformers import AttentionInterface
+    def __init__(self, T: int, block_size: int, threads: int):
+        import torch
+        from transformers import AttentionInterface
 
-    from schemas.params.learner import LearnerParams
-    from schemas.params.model import TinyModelParams
-    from stages.learner.flex_backend import build_block_masks
-    from stages.learner.objectives import objective_kwargs, objective_loss, token_logprobs
-    from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
-    from stages.model import build_tiny_model
-    from stages.vocab import tiny_vocabulary
+        from schemas.params.learner import LearnerParams
+        from schemas.params.model import TinyModelParams
+        from stages.learner.objectives import objective_kwargs, token_logprobs
+        from stages.learner.shadow_attention import response_logits
+        from stages.model import build_tiny_model
+        from stages.vocab import tiny_vocabulary
 
-    AttentionInterface.register(GATHER_ATTENTION, gather_attention)
-    torch.manual_seed(0)
-    shape = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
-    model = build_tiny_model(shape, vocab_size=len(tiny_vocabulary()), seed=0)
-    model.config._attn_implementation = "sdpa"
-    model.eval()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    kw = objective_kwargs(LearnerParams(), 1.0)
-    num_q = model.config.num_attention_heads
+        if threads:
+            torch.set_num_threads(threads)
+        AttentionInterface.register(GATHER_ATTENTION, gather_attention)
+        torch.manual_seed(0)
+        shape = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
+        self.model = build_tiny_model(shape, vocab_size=len(tiny_vocabulary()), seed=0)
+        self.model.config._attn_implementation = "sdpa"
+        self.model.eval()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.kw = objective_kwargs(LearnerParams(), 1.0)
+        self.block_size = block_size
+        b = _setup(T)
+        with torch.no_grad():
+            sel, targets, valid = response_logits(self.model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
+            b["rollout"] = token_logprobs(sel, targets).masked_fill(~valid, 0.0)
+        self.batch = b
 
-    def logits(b: dict, masked: bool):
-        if not masked:
-            return response_logits(model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
-        if mode == "smd_gather":
+    def step(self, mode: str) -> None:
+        import torch
+
+        from stages.learner.objectives import objective_loss, token_logprobs
+        from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
+
+        model, b = self.model, self.batch
+        if mode in ("smd_flex", "smd_sdpa"):  # as `smdctl learn`: teacher and policy share the prefill rows
+            sel, dsel, targets, valid = response_logits_with_teacher(
+                model, b["ids"], b["evict_at"], b["prompt_lens"], b["resp_lens"], mode[4:], self.block_size)
+        elif mode == "smd_gather":  # the gathering learner: separate teacher pass first
+            with torch.no_grad():
+                dsel, _, _ = response_logits(model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
             prev = model.config._attn_implementation
             model.config._attn_implementation = GATHER_ATTENTION
             try:
-                return _gather_logits(model, b, block_size)
+                sel, targets, valid = _gather_logits(model, b, self.block_size)
             finally:
                 model.config._attn_implementation = prev
-        backend = "flex" if mode == "smd_flex" else "sdpa"
-        extra = {"smd_block_masks": build_block_masks(b["evict_at"], num_q, block_size)} if backend == "flex" else {}
-        return response_logits(model, b["ids"], b["evict_at"], b["prompt_lens"], b["resp_lens"], backend, **extra)
-
-    def step(b: dict) -> None:
-        masked = mode != "dense"
-        if mode in ("smd_flex", "smd_sdpa"):  # as the learner: teacher and policy share the prefill rows
-            sel, dsel, targets, valid = response_logits_with_teacher(
-                model, b["ids"], b["evict_at"], b["prompt_lens"], b["resp_lens"], mode[4:], block_size)
-        elif masked:  # the gathering learner: separate teacher pass first
-            with torch.no_grad():
-                dsel, _, _ = logits(b, False)
-            sel, targets, valid = logits(b, True)
         else:
-            sel, targets, valid = logits(b, False)
-        logp = token_logprobs(sel, targets).masked_fill(~valid, 0.0)
-        if masked:
-            loss, _ = objective_loss("smd", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
-                                     masked_logp=logp, masked_logits=sel, dense_logits=dsel, **kw)
-        else:
-            loss, _ = objective_loss("dense", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
-                                     dense_logp=logp, **kw)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def prepared(length: int) -> dict:
-        b = _setup(length)
-        with torch.no_grad():
             sel, targets, valid = response_logits(model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
-            b["rollout"] = token_logprobs(sel, targets).masked_fill(~valid, 0.0)
-        return b
+        logp = token_logprobs(sel, targets).masked_fill(~valid, 0.0)
+        if mode == "dense":
+            loss, _ = objective_loss("dense", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
+                                     dense_logp=logp, **self.kw)
+        else:
+            loss, _ = objective_loss("smd", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
+                                     masked_logp=logp, masked_logits=sel, dense_logits=dsel, **self.kw)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    if 0 < warmup_T < T:
-        step(prepared(warmup_T))
-    batch = prepared(T)
-    step(batch)  # compiles FlexAttention (dynamic shapes), warms the kernels, allocates the AdamW state
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step(batch)
-        times.append(time.perf_counter() - t0)
-    # Memory: one more step with large allocations mmapped (returned to the OS on free), so that the
-    # resident set follows live memory; peak over the resident set before the step.
+
+def _child_time(modes: list[str], T: int, rounds: int, block_size: int, threads: int) -> dict[str, Any]:
+    """Step times of all learners in one process, interleaved round-robin (load drift hits all alike)."""
+    learner = _Learner(T, block_size, threads)
+    for mode in modes:
+        learner.step(mode)  # warm-up: compiles FlexAttention, warms the kernels, allocates the AdamW state
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            t0 = time.perf_counter()
+            learner.step(mode)
+            times[mode].append(time.perf_counter() - t0)
+    return {m: {"step_s": statistics.median(ts), "times": ts} for m, ts in times.items()}
+
+
+def _child_memory(mode: str, T: int, block_size: int, threads: int) -> dict[str, Any]:
+    """Peak working memory of one learner step, alone in this process (after a warm-up step)."""
+    learner = _Learner(T, block_size, threads)
+    learner.step(mode)
+    # Large allocations mmapped from now on (returned to the OS on free): the resident set follows live memory.
     _malloc_live_tracking()
     gc.collect()
     can_reset = _reset_peak()
     base = _status_kib("VmRSS")
-    step(batch)
+    learner.step(mode)
     hwm = _status_kib("VmHWM")
-    return {"mode": mode, "T": T, "step_s": statistics.median(times), "times": times,
-            "peak_mb": (hwm - base) / 1024 if can_reset else float("nan"), "base_mb": base / 1024,
+    return {"peak_mb": (hwm - base) / 1024 if can_reset else float("nan"), "base_mb": base / 1024,
             "hwm_mb": hwm / 1024}
 
 
@@ -226,32 +229,53 @@ def _gather_logits(model, b: dict, block_size: int):
     return sel, targets, valid
 
 
-def run_learner_bench(lengths=(512, 2048, 4096), modes=MODES, steps: int = 2, block_size: int = 128,
-                      warmup_T: int = 0, threads: int = 1, timeout_s: int = 600,
-                      print_fn=print) -> list[dict[str, Any]]:
-    """Run every (T, mode) in a subprocess; print the table and the targets; return the rows."""
+def _run_child(args: dict[str, Any], env: dict[str, str], timeout_s: int) -> tuple[dict[str, Any] | None, str]:
+    cmd = [sys.executable, "-m", "stages.learner.bench", json.dumps(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        return None, tail[0][:120]
+    return json.loads(lines[-1]), ""
+
+
+def run_learner_bench(lengths=(512, 2048, 4096), modes=MODES, rounds: int = 3, block_size: int = 128,
+                      threads: int = 1, timeout_s: int = 600, print_fn=print) -> list[dict[str, Any]]:
+    """Per T: one subprocess times every learner (interleaved rounds), one subprocess per learner measures its
+    peak memory. Prints the table and the targets; returns the rows."""
+    from schemas.errors import SmdInputError
+
+    modes = list(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise SmdInputError(f"bench learner: unknown learner {mode!r}; choose from {', '.join(MODES)}")
+    if "dense" not in modes:
+        modes = ["dense", *modes]
+    if not lengths or min(lengths) < 16:
+        raise SmdInputError("bench learner: lengths must be >= 16 tokens")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
     rows: list[dict[str, Any]] = []
     print_fn(f"bench learner: tiny default model (4 layers, 4 q / 2 kv heads, head_dim 32), 1 sequence of T tokens "
              f"(prompt 3T/4, response T/4), SnapKV-like masks keep 0.5, flex block {block_size}, "
-             f"median of {steps} steps after a warm-up step, {threads or 'default'} torch thread(s), one subprocess per config")
-    header = f"{'T':>5}  {'learner':<24}{'step s':>8}{'x dense':>9}{'peak MiB':>10}{'x dense':>9}{'RSS MiB':>9}"
-    print_fn(header)
+             f"{threads or 'default'} torch thread(s). Step = forward + backward + AdamW. Time: median of {rounds} "
+             f"interleaved rounds in one process per T; peak = step working memory, one process per learner")
+    print_fn(f"{'T':>5}  {'learner':<24}{'step s':>8}{'x dense':>9}{'peak MiB':>10}{'x dense':>9}{'RSS MiB':>9}")
     for T in lengths:
+        timing, err = _run_child({"kind": "time", "modes": modes, "T": T, "rounds": rounds, "block_size": block_size,
+                                  "threads": threads}, env, timeout_s)
+        if timing is None:
+            print_fn(f"{T:>5}  timing failed: {err}")
+            continue
         dense = None
         for mode in modes:
-            cmd = [sys.executable, "-m", "stages.learner.bench", json.dumps(
-                {"mode": mode, "T": T, "steps": steps, "block_size": block_size, "warmup_T": warmup_T,
-                 "threads": threads})]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-                print_fn(f"{T:>5}  {LABELS[mode]:<24} failed: {tail[0][:100]}")
-                continue
-            r = json.loads(lines[-1])
+            mem, err = _run_child({"kind": "memory", "mode": mode, "T": T, "block_size": block_size,
+                                   "threads": threads}, env, timeout_s)
+            if mem is None:
+                print_fn(f"{T:>5}  {LABELS[mode]:<24} memory run failed: {err}")
+                mem = {"peak_mb": float("nan"), "hwm_mb": float("nan"), "base_mb": float("nan")}
+            r = {"mode": mode, "T": T, **timing[mode], **mem}
             if mode == "dense":
                 dense = r
             r["time_ratio"] = r["step_s"] / dense["step_s"] if dense else float("nan")
@@ -264,7 +288,7 @@ def run_learner_bench(lengths=(512, 2048, 4096), modes=MODES, steps: int = 2, bl
         worst_t = max(flex, key=lambda r: r["time_ratio"])
         worst_m = max(flex, key=lambda r: r["mem_ratio"])
         verdict = "PASS" if worst_t["time_ratio"] <= TARGET_TIME else "MISS"
-        print_fn(f"target smd step time <= {TARGET_TIME}x dense: worst {worst_t['time_ratio']:.2f}x at "
+        print_fn(f"target smd (flex) step time <= {TARGET_TIME}x dense: worst {worst_t['time_ratio']:.2f}x at "
                  f"T={worst_t['T']} -> {verdict}")
         verdict = "PASS" if worst_m["mem_ratio"] <= TARGET_MEMORY else "MISS"
         print_fn(f"target smd (flex) peak memory <= {TARGET_MEMORY}x dense: worst {worst_m['mem_ratio']:.2f}x at "
@@ -274,5 +298,8 @@ def run_learner_bench(lengths=(512, 2048, 4096), modes=MODES, steps: int = 2, bl
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    print(json.dumps(_child(args["mode"], args["T"], args["steps"], args["block_size"], args["warmup_T"],
-                            args["threads"])))
+    if args["kind"] == "time":
+        out = _child_time(args["modes"], args["T"], args["rounds"], args["block_size"], args["threads"])
+    else:
+        out = _child_memory(args["mode"], args["T"], args["block_size"], args["threads"])
+    print(json.dumps(out))

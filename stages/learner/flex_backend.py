@@ -45,8 +45,14 @@ def _flex():
     """torch.compile(flex_attention) once per process (dynamic shapes: no recompilation per length)."""
     with _lock:
         if "fn" not in _compiled:
+            import torch._dynamo
             from torch.nn.attention.flex_attention import flex_attention
 
+            # Past the recompile limit dynamo silently runs flex_attention eagerly, which materialises the full
+            # score matrix. Batch size (first 1, then dynamic) and block size add a few graphs; leave room.
+            cfg = torch._dynamo.config
+            if hasattr(cfg, "recompile_limit"):
+                cfg.recompile_limit = max(cfg.recompile_limit, 64)
             _compiled["fn"] = torch.compile(flex_attention, dynamic=True)
         return _compiled["fn"]
 
@@ -239,7 +245,7 @@ def flex_shadow_attention(query: Tensor, key: Tensor, value: Tensor, evict_at_la
     if prefix > 0:  # rows before the first eviction: plain causal attention
         parts.append(F.scaled_dot_product_attention(q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix],
                                                     is_causal=True, scale=scaling, enable_gqa=gqa))
-    if prefix < Tp:
-        parts.append(_flex_rows(q[:, :, prefix:], k, v, mask, scaling))
+    if prefix < Tp:  # contiguous: a strided view would add a compiled graph
+        parts.append(_flex_rows(q[:, :, prefix:].contiguous(), k, v, mask, scaling))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out[:, :, :T]

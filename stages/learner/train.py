@@ -333,6 +333,8 @@ def learn(
         ref_model = load_policy(cfg.reference_path, params.model.dtype)
 
     ctx = init_distributed()
+    if not ctx.is_main:
+        say = lambda msg: None  # noqa: E731 - progress lines from rank 0 only
     torch.manual_seed(seed * 1_000_003 + iteration)
     np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
     model.to(ctx.device)
@@ -384,7 +386,9 @@ def learn(
             continue
         stats = StepStats()
         for rows, real in step.micro:
-            mb = build_micro_batch(data, rows, masked, backend, cfg.flex_block_size, num_q, device=ctx.device)
+            # (with the teacher, block masks are built for the shared-prefix split inside the forward)
+            mb = build_micro_batch(data, rows, masked, "sdpa" if teacher else backend, cfg.flex_block_size, num_q,
+                                   device=ctx.device)
             dense_sel = dense_logp = None
             if teacher:  # masked policy + dense teacher sharing the rows before the first eviction
                 sel, dense_sel, targets, valid = response_logits_with_teacher(
