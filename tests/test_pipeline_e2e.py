@@ -36,7 +36,7 @@ MICRO = {
                 "shard_rows": 4, "eviction": {"policy": "snapkv", "keep_ratio": 0.5, "sinks": 2, "window": 4}},
     "learner": {"objective": "smd", "micro_batch_size": 3},
     "evaluate": {"max_new_tokens": 5, "batch_size": 4},
-    "pipeline": {"iterations": [item.model_dump() for item in default_chain(2)]},
+    "pipeline": {"iterations": {k: v.model_dump() for k, v in default_chain(2).items()}},
 }
 
 

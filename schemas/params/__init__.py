@@ -46,31 +46,35 @@ class IterationItem(BaseModel):
     policy: str = Field(..., description="Policy checkpoint this iteration samples with (its predecessor's output).")
 
 
-def default_chain(iterations: int) -> list[IterationItem]:
-    items = []
+def default_chain(iterations: int) -> dict[str, IterationItem]:
+    """Items keyed by iteration number, so DVC names the stages rollout@1, learn@2, ..."""
+    items = {}
     for n in range(1, iterations + 1):
         policy = "artifacts/warmstart/policy" if n == 1 else f"artifacts/iter-{n - 1:03d}/policy"
-        items.append(IterationItem(n=n, id=f"{n:03d}", policy=policy))
+        items[str(n)] = IterationItem(n=n, id=f"{n:03d}", policy=policy)
     return items
 
 
 class PipelineParams(BaseModel):
-    """The iteration chain of dvc.yaml (`foreach` over these items). Extend it by appending items whose
-    `policy` is the previous item's `artifacts/iter-NNN/policy`."""
+    """The iteration chain of dvc.yaml (`foreach` over these items). Extend it by adding the item
+    `'3': {n: 3, id: '003', policy: artifacts/iter-002/policy}` (each names its predecessor's policy)."""
 
     model_config = ConfigDict(extra="forbid")
-    iterations: list[IterationItem] = Field(default_factory=lambda: default_chain(2),
-                                            description="Ordered iteration items, each naming its predecessor policy.")
+    iterations: dict[str, IterationItem] = Field(
+        default_factory=lambda: default_chain(2),
+        description="Iteration items keyed by number, each naming the policy it starts from.",
+    )
 
     @model_validator(mode="after")
     def _chain(self) -> PipelineParams:
         if not self.iterations:
             raise ValueError("at least one iteration is required")
         expected = default_chain(len(self.iterations))
-        for got, want in zip(self.iterations, expected):
+        for key, want in expected.items():
+            got = self.iterations.get(key)
             if got != want:
                 raise ValueError(
-                    f"iteration item {got.n} must be {{n: {want.n}, id: '{want.id}', policy: {want.policy}}}"
+                    f"iteration '{key}' must be {{n: {want.n}, id: '{want.id}', policy: {want.policy}}}"
                 )
         return self
 
