@@ -68,13 +68,21 @@ def init_distributed() -> DistContext:
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        if world == 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
+        own_port = world == 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ)
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        for attempt in range(8 if own_port else 1):
+            if own_port:
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                os.environ["MASTER_PORT"] = str(_free_port())
+            try:
+                dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+                break
+            except dist.DistNetworkError:
+                # Another process took the free port between probing and binding: pick another.
+                if not own_port or attempt == 7:
+                    raise
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
