@@ -109,6 +109,8 @@ class PrepareParams(BaseModel):
             raise ValueError(f"train_file: task {self.task} reads a local file; set prepare.train_file")
         if self.task == "kv_retrieval" and self.num_queries > self.num_pairs:
             raise ValueError(f"num_queries: {self.num_queries} is larger than num_pairs={self.num_pairs}")
+        if self.task == "kv_retrieval" and self.num_pairs > 9 * 10 ** (self.value_digits - 1) + (self.value_digits == 1):
+            raise ValueError(f"num_pairs: {self.num_pairs} distinct values do not fit in {self.value_digits} digit(s)")
         if self.task == "var_tracking" and self.num_chains * self.num_hops > 25:
             raise ValueError(
                 f"num_chains: {self.num_chains} chains of {self.num_hops} hops need more than 25 variable names"

@@ -19,8 +19,24 @@ class WarmstartParams(BaseModel):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     adam_beta2: float = Field(0.98, gt=0.0, lt=1.0, description="AdamW beta2.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    curriculum_start: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="Sequence-length curriculum: fraction of the train split, shortest sequences first, that "
+        "batches are drawn from at the start (1.0 = no curriculum).",
+    )
+    curriculum_hold: float = Field(
+        0.4, ge=0.0, le=1.0, description="Fraction of `steps` spent on the `curriculum_start` shortest sequences."
+    )
+    curriculum_end: float = Field(
+        0.7,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of `steps` at which the whole split is admitted (linear growth after the hold).",
+    )
     max_minutes: float = Field(
-        9.0,
+        5.0,
         ge=0.0,
         description="Wall-clock cap on training in minutes (0 = none): training stops early when it is reached "
         "(the run is then no longer bit-reproducible; the metrics record the steps done).",

@@ -33,7 +33,7 @@ PLACES = (
     "bus plane bridge tower castle forest island desert valley"
 ).split()
 # Keys never occur in filler sentences, so the fact "key fox 37 ." is the only place a key is followed by a value.
-KEY_WORDS = ANIMALS + PLACES[:20]
+KEY_WORDS = ANIMALS
 FILLER_PLACES = PLACES[20:]
 COLORS = "red blue green yellow black white".split()
 ADJECTIVES = COLORS + "big small old new tall short warm cold dark bright quiet loud".split()
@@ -85,8 +85,9 @@ def _number(rng: random.Random, digits: int) -> int:
 
 def kv_retrieval(rng: random.Random, p: PrepareParams, context_tokens: int) -> tuple[str, str]:
     keys = rng.sample(KEY_WORDS, p.num_pairs)
-    values = [_number(rng, p.value_digits) for _ in keys]
-    facts = [f"key {k} {v} ." for k, v in zip(keys, values, strict=True)]
+    low = 10 ** (p.value_digits - 1) if p.value_digits > 1 else 0
+    values = rng.sample(range(low, 10**p.value_digits), p.num_pairs)  # distinct: one right answer per key
+    facts = [f"value {v} key {k} ." for k, v in zip(keys, values, strict=True)]
     asked = rng.sample(range(p.num_pairs), p.num_queries)
     query = " ; ".join(f"key {keys[i]}" for i in asked)
     prompt = spread(

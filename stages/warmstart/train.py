@@ -57,6 +57,45 @@ def response_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
+class CurriculumSampler:
+    """Seeded batches with a sequence-length curriculum (short sequences first).
+
+    Sequences are sorted by length. Until step `hold * steps` a batch is drawn only from the shortest
+    `start` fraction of them; the admitted fraction then grows linearly to the whole split at step
+    `end * steps`. A batch is drawn uniformly without replacement among admitted sequences.
+    `start` = 1 disables the curriculum.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        steps: int,
+        batch_size: int,
+        generator: torch.Generator,
+        start: float = 1.0,
+        hold: float = 0.0,
+        end: float = 0.0,
+    ):
+        self.order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        self.steps, self.batch_size, self.gen = steps, batch_size, generator
+        self.start, self.hold, self.end = start, hold, max(end, hold)
+
+    def admitted(self, step: int) -> int:
+        """How many of the shortest sequences step `step` may draw from."""
+        n = len(self.order)
+        progress = step / max(1, self.steps)
+        if self.start >= 1.0 or progress >= self.end:
+            return n
+        ramp = 0.0 if progress <= self.hold else (progress - self.hold) / (self.end - self.hold)
+        fraction = self.start + (1.0 - self.start) * ramp
+        return min(n, max(math.ceil(fraction * n), self.batch_size))
+
+    def batch(self, step: int) -> list[int]:
+        pool = self.admitted(step)
+        picks = torch.randperm(pool, generator=self.gen)[: self.batch_size].tolist()
+        return [self.order[i] for i in picks]
+
+
 def _lr_at(step: int, cfg: WarmstartParams) -> float:
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -144,7 +183,15 @@ def run_warmstart(
         model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay
     )
     model.train()
-    order: list[int] = []
+    sampler = CurriculumSampler(
+        [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)],
+        cfg.steps,
+        cfg.batch_size,
+        gen,
+        start=cfg.curriculum_start,
+        hold=cfg.curriculum_hold,
+        end=cfg.curriculum_end,
+    )
     started = time.monotonic()
     losses: list[float] = []
     steps_done = 0
@@ -153,9 +200,7 @@ def run_warmstart(
         if cfg.max_minutes and time.monotonic() - started > cfg.max_minutes * 60:
             stopped_early = True
             break
-        if len(order) < cfg.batch_size:
-            order += torch.randperm(len(train), generator=gen).tolist()
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        idx = sampler.batch(step)
         batch = _batch([prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg)
