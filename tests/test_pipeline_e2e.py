@@ -63,7 +63,9 @@ def _merge(base: dict, over: dict) -> None:
 
 
 def _env() -> dict:
-    env = dict(os.environ)
+    # Stage subprocesses must not inherit a rendezvous of this test process (other tests run learn in-process).
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                           "LOCAL_RANK")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["DS_ACCELERATOR"] = "cpu"
     env["PYTHONPATH"] = str(ROOT)

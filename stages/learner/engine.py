@@ -68,7 +68,9 @@ def init_distributed() -> DistContext:
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        own_port = world == 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ)
+        # A one-process group needs no agreed address: always take a fresh local port (a MASTER_PORT
+        # inherited from a parent process may still be bound by it).
+        own_port = world == 1
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
