@@ -7,15 +7,13 @@ import json
 import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.tables import SCHEMA_VERSION, read_table, write_table
-from stages.model import build_tiny_tokenizer, load_policy, load_tokenizer
-from tests.helpers import make_model_dir
+from stages.model import load_policy
 
 PROMPT_ROW = {"prompt_id": "p0", "task": "kv_retrieval", "prompt": "key cat = 1 2", "prompt_token_ids": [1, 2],
               "reference": "1 2"}
@@ -99,29 +97,6 @@ def test_atomic_path_leaves_nothing_on_error_and_keeps_old(tmp_path):
         raise RuntimeError("boom")
     assert (target / "a").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
-
-
-def test_tokenizer_round_trip():
-    tok = build_tiny_tokenizer()
-    text = "key fox = value 3 7 . query fox ? answer :"
-    ids = tok(text)["input_ids"]
-    assert tok.unk_token_id not in ids
-    assert tok.decode(ids) == text
-    assert tok("Key FOX")["input_ids"] == tok("key fox")["input_ids"]  # lowercased
-    assert tok.unk_token_id in tok("zyzzyva")["input_ids"]
-
-
-def test_model_save_load_identical_logits(tmp_path):
-    model_dir = make_model_dir(tmp_path, "gqa")
-    a, b = load_policy(model_dir), load_policy(model_dir)
-    tok = load_tokenizer(model_dir)
-    ids = torch.tensor([tok("key cat = 1 2 . query cat ?")["input_ids"]])
-    with torch.no_grad():
-        assert torch.equal(a(ids).logits, b(ids).logits)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
 
 
 def test_missing_checkpoint_is_one_line(tmp_path):

@@ -21,7 +21,7 @@ class PrepareParams(BaseModel):
         description=f"Task name: a synthetic generator {SYNTHETIC_TASKS} or a dataset loader {DATASET_TASKS}.",
     )
     num_train: int = Field(
-        4096,
+        16384,
         ge=1,
         description="Train prompts (synthetic: generated; datasets: at most this many, after filtering).",
     )
@@ -31,7 +31,7 @@ class PrepareParams(BaseModel):
         description="Held-out prompts (synthetic: generated with a disjoint seed stream; datasets: at most this many).",
     )
     context_tokens: int = Field(
-        160,
+        100,
         ge=16,
         le=1_000_000,
         description="Synthetic tasks: approximate prompt length in (tiny-tokenizer) tokens; filler sentences "
@@ -47,10 +47,10 @@ class PrepareParams(BaseModel):
     )
     # kv_retrieval
     num_pairs: int = Field(
-        8, ge=1, le=100, description="kv_retrieval: key-value pairs spread over the context (distinct keys)."
+        6, ge=1, le=100, description="kv_retrieval: key-value pairs spread over the context (distinct keys)."
     )
     num_queries: int = Field(
-        2,
+        3,
         ge=1,
         le=100,
         description="kv_retrieval: keys asked for; the answer lists their values in query order.",
@@ -109,8 +109,12 @@ class PrepareParams(BaseModel):
             raise ValueError(f"train_file: task {self.task} reads a local file; set prepare.train_file")
         if self.task == "kv_retrieval" and self.num_queries > self.num_pairs:
             raise ValueError(f"num_queries: {self.num_queries} is larger than num_pairs={self.num_pairs}")
-        if self.task == "kv_retrieval" and self.num_pairs > 9 * 10 ** (self.value_digits - 1) + (self.value_digits == 1):
-            raise ValueError(f"num_pairs: {self.num_pairs} distinct values do not fit in {self.value_digits} digit(s)")
+        if self.task == "kv_retrieval" and self.num_pairs > 9 * 10 ** (self.value_digits - 1) + (
+            self.value_digits == 1
+        ):
+            raise ValueError(
+                f"num_pairs: {self.num_pairs} distinct values do not fit in {self.value_digits} digit(s)"
+            )
         if self.task == "var_tracking" and self.num_chains * self.num_hops > 25:
             raise ValueError(
                 f"num_chains: {self.num_chains} chains of {self.num_hops} hops need more than 25 variable names"

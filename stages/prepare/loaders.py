@@ -8,12 +8,13 @@ Required fields (others are ignored):
 - gsm8k (jsonl, as openai/grade-school-math): `question` (str), `answer` (str containing "#### N").
   Calculator annotations `<<48/2=24>>` are removed from the reference.
 - hotpotqa (json list as distributed, or jsonl): `question` (str), `answer` (str), `context`
-  (list of [title, [sentence, ...]]); `_id` (or `id`) is used as prompt id when present.
+  (list of [title, [sentence, ...]], or Hugging Face's {title: [...], sentences: [[...], ...]}); `_id`
+  (or `id`) is used as prompt id when present.
 - tldr (jsonl): either OpenAI's summarize-from-feedback rows `post` (str), `summary` (str), optional
   `id`, `subreddit`, `title`; or CarperAI/openai_summarize_tldr rows `prompt` (str, ends "TL;DR:"),
   `label` (str).
-- govreport (jsonl): `report` or `document` (str, or list of str paragraphs), `summary` (str),
-  optional `id`.
+- govreport (jsonl): `report` or `document` (str, a list of paragraphs, or the original release's nested
+  sections {section_title, paragraphs, subsections}), `summary` (str or list of paragraphs), optional `id`.
 """
 
 from __future__ import annotations
@@ -144,6 +145,15 @@ def hotpotqa(path: Path, line: int, rec: dict) -> Example:
     if "context" not in rec:
         raise _fail(path, line, "context", "missing field")
     context = rec["context"]
+    if (
+        isinstance(context, dict)
+        and isinstance(context.get("title"), list)
+        and isinstance(context.get("sentences"), list)
+    ):
+        # Hugging Face `hotpot_qa` layout: {"title": [...], "sentences": [[...], ...]}
+        if len(context["title"]) != len(context["sentences"]):
+            raise _fail(path, line, "context", "title and sentences lists differ in length")
+        context = [[t, s] for t, s in zip(context["title"], context["sentences"], strict=True)]
     if not isinstance(context, list):
         raise _fail(
             path, line, "context", f"expected a list of [title, [sentences]], got {type(context).__name__}"
@@ -200,17 +210,50 @@ def tldr(path: Path, line: int, rec: dict) -> Example:
     )
 
 
+def _flatten(value: Any) -> list[str] | None:
+    """Strings of a nested section structure, in order (None if something else is in it)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = [value[k] for k in ("section_title", "paragraphs", "subsections") if k in value] or list(
+            value.values()
+        )
+    if isinstance(value, list):
+        out: list[str] = []
+        for item in value:
+            part = _flatten(item)
+            if part is None:
+                return None
+            out += part
+        return out
+    return None
+
+
 def govreport(path: Path, line: int, rec: dict) -> Example:
     field = "report" if "report" in rec else "document"
     if field not in rec:
         raise _fail(path, line, "report", "missing field (expected report or document)")
-    doc = rec[field]
-    if isinstance(doc, list) and all(isinstance(p, str) for p in doc):
-        doc = "\n".join(doc)
-    if not isinstance(doc, str):
-        raise _fail(path, line, field, f"expected a string or a list of strings, got {type(doc).__name__}")
-    summary = _get_str(path, line, rec, "summary")
-    if isinstance(summary, str) and not summary.strip():
+    parts = _flatten(rec[field])
+    if parts is None:
+        raise _fail(
+            path,
+            line,
+            field,
+            f"expected text, a list of paragraphs or sections, got {type(rec[field]).__name__}",
+        )
+    doc = "\n".join(p.strip() for p in parts if p.strip())
+    if "summary" not in rec:
+        raise _fail(path, line, "summary", "missing field")
+    summary_parts = _flatten(rec["summary"])
+    if summary_parts is None:
+        raise _fail(
+            path,
+            line,
+            "summary",
+            f"expected text or a list of paragraphs, got {type(rec['summary']).__name__}",
+        )
+    summary = " ".join(p.strip() for p in summary_parts if p.strip())
+    if not summary:
         raise _fail(path, line, "summary", "empty")
     return Example(
         _source_id(path, line, rec),

@@ -5,8 +5,10 @@ policy's response is the reference followed by EOS. Every word comes from `stage
 checks the tiny tokenizer maps them without [UNK]). The important facts are spread over filler
 sentences and distractors up to `context_tokens`, so a KV cache that evicts them costs reward.
 
-- kv_retrieval: "key fox = value 37 ." pairs among filler; "query : key owl ; key fox . answer :"
-  -> "12 ; 37" (values in query order, separated by ";").
+- kv_retrieval: facts "key bear 20 bear ." (the key on both sides of its value, so both an induction
+  head and a value-to-key lookup can solve it; a tiny model learns it within minutes on a CPU) among
+  filler; "query : key bird ; key bear . answer :" -> "bird 58 ; bear 20" (each queried key with its
+  value, in query order, separated by ";").
 - var_tracking: chains "let a = 5 . ... let b = a . ... let c = b ." plus distractor chains;
   "question : what is c ? answer :" -> "c = b = a = 5" (each hop, then the number).
 - arithmetic: GSM8K-like story with distractor facts; "question : how many apples does tom have now ?
@@ -87,7 +89,7 @@ def kv_retrieval(rng: random.Random, p: PrepareParams, context_tokens: int) -> t
     keys = rng.sample(KEY_WORDS, p.num_pairs)
     low = 10 ** (p.value_digits - 1) if p.value_digits > 1 else 0
     values = rng.sample(range(low, 10**p.value_digits), p.num_pairs)  # distinct: one right answer per key
-    facts = [f"value {v} key {k} ." for k, v in zip(keys, values, strict=True)]
+    facts = [f"key {k} {v} {k} ." for k, v in zip(keys, values, strict=True)]
     asked = rng.sample(range(p.num_pairs), p.num_queries)
     query = " ; ".join(f"key {keys[i]}" for i in asked)
     prompt = spread(

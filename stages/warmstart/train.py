@@ -88,7 +88,7 @@ class CurriculumSampler:
             return n
         ramp = 0.0 if progress <= self.hold else (progress - self.hold) / (self.end - self.hold)
         fraction = self.start + (1.0 - self.start) * ramp
-        return min(n, max(math.ceil(fraction * n), self.batch_size))
+        return min(n, max(math.ceil(fraction * n - 1e-9), self.batch_size))
 
     def batch(self, step: int) -> list[int]:
         pool = self.admitted(step)
@@ -176,6 +176,13 @@ def run_warmstart(
             f"{data_dir / 'train.arrow'}: prompt_token_ids: a sequence of {longest} tokens exceeds the model's "
             f"max_position_embeddings={limit}"
         )
+    # Check rows: the longest train prompts (like the eval split's full-length ones), never trained on.
+    n_check = min(cfg.check_rows, len(train) // 4) if cfg.target_exact_match > 0 else 0
+    by_length = sorted(range(len(train)), key=lambda i: (-len(prompts[i]), i))
+    check_idx, train_idx = sorted(by_length[:n_check]), sorted(by_length[n_check:])
+    check = [train[i] for i in check_idx]
+    check_new = max((len(responses[i]) for i in check_idx), default=0) + 4
+    prompts, responses = [prompts[i] for i in train_idx], [responses[i] for i in train_idx]
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -194,11 +201,12 @@ def run_warmstart(
     )
     started = time.monotonic()
     losses: list[float] = []
+    checks: list[dict[str, float]] = []
     steps_done = 0
-    stopped_early = False
+    stop_reason = None
     for step in range(cfg.steps):
         if cfg.max_minutes and time.monotonic() - started > cfg.max_minutes * 60:
-            stopped_early = True
+            stop_reason = "max_minutes"
             break
         idx = sampler.batch(step)
         batch = _batch([prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id)
@@ -219,6 +227,14 @@ def run_warmstart(
                 file=sys.stderr,
                 flush=True,
             )
+        if check and steps_done % cfg.check_every == 0:
+            em = greedy_eval(model, tokenizer, check, cfg.eval_batch_size, check_new)["exact_match"]
+            model.train()
+            checks.append({"step": steps_done, "exact_match": em})
+            print(f"warmstart step {steps_done} check exact_match {em:.3f}", file=sys.stderr, flush=True)
+            if em >= cfg.target_exact_match:
+                stop_reason = "target_exact_match"
+                break
     train_minutes = (time.monotonic() - started) / 60
 
     ref_tokens = max(len(response_ids(tokenizer, r["reference"])) for r in evaluation)
@@ -233,7 +249,9 @@ def run_warmstart(
         "reward": result["reward"],
         "eval_rows": result["eval_rows"],
         "steps": steps_done,
-        "stopped_early": stopped_early,
+        "stop_reason": stop_reason,
+        "check_rows": len(check),
+        "checks": checks,
         "final_loss": sum(tail) / len(tail) if tail else None,
         "train_minutes": train_minutes,
         "eval_minutes": (time.monotonic() - eval_started) / 60,
