@@ -45,14 +45,17 @@ class WarmstartParams(BaseModel):
         "(the run is then no longer bit-reproducible; the metrics record the steps done).",
     )
     target_exact_match: float = Field(
-        0.5,
+        0.45,
         ge=0.0,
         le=1.0,
         description="Stop training once greedy exact match on the held-out check rows reaches this, so RL "
         "starts above zero reward but below saturation (0 = always train `steps` steps).",
     )
     check_every: int = Field(
-        50, ge=1, description="Steps between exact-match checks (when target_exact_match > 0)."
+        25,
+        ge=1,
+        description="Steps between exact-match checks (when target_exact_match > 0). Accuracy on retrieval "
+        "rises within ~100 steps once it starts, so checks are kept close to stop inside the band.",
     )
     check_rows: int = Field(
         64,
