@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -12,9 +13,11 @@ from rich.table import Table
 from cli.common import echo_written, guarded
 
 COLUMNS = [
-    ("reward/mean", "reward"),
+    ("reward/mean", "rollout reward"),
     ("eval/dense/score", "eval dense"),
     ("eval/compressed/score", "eval compressed"),
+    ("eval/dense/exact_match", "EM dense"),
+    ("eval/compressed/exact_match", "EM compressed"),
     ("kv/kept_fraction", "KV kept"),
     ("mismatch/logprob_abs_diff_max", "|dlogp| max"),
     ("mismatch/kl", "mismatch KL"),
@@ -43,11 +46,6 @@ def register(app: typer.Typer) -> None:
         for _, title in COLUMNS:
             table.add_column(title, justify="right")
         for row in rows:
-            if row["iteration"] == 0:
-                label = "warm start"
-                cells = ["—", f"{row.get('eval/exact_match', row.get('exact_match', float('nan'))):.3f}"] + ["—"] * 4
-                table.add_row(label, *cells)
-                continue
-            cells = [f"{row[k]:.4g}" if k in row else "—" for k, _ in COLUMNS]
-            table.add_row(str(row["iteration"]), *cells)
-        Console().print(table)
+            label = "warm start" if row["iteration"] == 0 else str(row["iteration"])
+            table.add_row(label, *(f"{row[k]:.4g}" if k in row else "—" for k, _ in COLUMNS))
+        Console(width=None if sys.stdout.isatty() else 160).print(table)

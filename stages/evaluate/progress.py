@@ -55,7 +55,12 @@ def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
     rows = []
     warm = _read(artifacts / "warmstart" / "metrics.json")
     if warm:
-        rows.append({"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float)}})
+        # The warm start's greedy eval is a dense one: report it under the evaluate stage's names.
+        row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float)}}
+        for src, dst in (("reward", "eval/dense/score"), ("exact_match", "eval/dense/exact_match")):
+            if isinstance(warm.get(src), int | float):
+                row[dst] = warm[src]
+        rows.append(row)
     n = 1
     while (artifacts / f"iter-{n:03d}").exists():
         rows.append(iteration_row(artifacts, n))
