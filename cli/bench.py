@@ -53,11 +53,13 @@ def bench_rollout_cmd(
     keep_ratio: Annotated[float, typer.Option(help="Eviction keep ratio.")] = 0.5,
     batch_size: Annotated[int, typer.Option(help="Sequences decoded together.")] = 4,
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs per configuration; the fastest counts.")] = 3,
 ) -> None:
     """Dense vs every eviction policy: tokens/s, KV-cache bytes and peak memory relative to dense."""
     from stages.rollout.bench import bench_rollout
 
-    guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size, new_tokens))
+    guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size, new_tokens,
+                                  repeats))
 
 
 @bench_app.command("learner")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas.params.rollout import POLICIES, EvictionParams
 from stages.model import load_policy
@@ -40,6 +42,32 @@ def test_evict_tie_break_evicts_oldest():
     evict_at = torch.full((1, 1, 5), -1, dtype=torch.int32)
     evict(slots, torch.zeros(1, 1, 5), torch.tensor([3]), torch.tensor([4]), sinks=0, window=1, evict_at=evict_at)
     assert slots.slot_pos.tolist() == [[[-1, -1, 2, 3, 4]]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_single_victim_path_matches_the_sorting_rule(data):
+    """`evict(at_most_one=True)` (decode fast path) == the general two-sort rule, ties included."""
+    B, H, S = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), data.draw(st.integers(2, 12))
+    sinks, window = data.draw(st.integers(0, 2)), data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    cur = torch.tensor([int(S + rng.integers(0, 4)) for _ in range(B)])
+    pos = torch.full((B, H, S), -1, dtype=torch.long)
+    for b in range(B):
+        n_valid = int(rng.integers(1, S + 1))  # same count in every head, as in the engine
+        for h in range(H):
+            chosen = np.sort(rng.choice(int(cur[b]) + 1, size=n_valid, replace=False))
+            chosen[-1] = int(cur[b])  # the key just inserted is always cached
+            pos[b, h, rng.permutation(S)[:n_valid]] = torch.from_numpy(np.unique(chosen))[:n_valid]
+    counts = (pos >= 0).sum(-1)[:, 0]
+    keep = torch.clamp(counts - torch.from_numpy(rng.integers(0, 2, size=B)), min=sinks + window)
+    scores = torch.from_numpy(rng.integers(0, 3, size=(B, H, S)).astype(np.float64))  # many ties
+    runs = []
+    for fast in (False, True):
+        slots, evict_at = LayerSlots(slot_pos=pos.clone()), torch.full((B, H, 32), -1, dtype=torch.int32)
+        n = evict(slots, scores, keep, cur, sinks, window, evict_at, at_most_one=fast)
+        runs.append((int(n), slots.slot_pos.tolist(), evict_at.tolist()))
+    assert runs[0] == runs[1]
 
 
 def test_recent_matches_streaming_schedule(model):

@@ -27,7 +27,7 @@ from schemas.params.rollout import EvictionParams
 from stages.rollout.policies import EvictionPolicy, LayerSlots, evict, make_policy
 
 ROLLOUT_ATTENTION = "smd_rollout"
-_PREFILL_CHUNK = 512  # query chunk for attention-probability passes (bounds memory at long prompts)
+_PREFILL_CHUNK = 64  # query chunk for attention-probability passes (bounds memory at long prompts)
 
 
 @dataclass
@@ -45,8 +45,13 @@ class RolloutState:
     prefill_mask: torch.Tensor | None = None  # [B, 1, P, P]
     current_pos: torch.Tensor | None = None  # [B] position of the query being decoded
     slots: list[LayerSlots | None] = field(default_factory=list)
-    peak_slots: int = 0  # most keys any (seq, layer, head) held between forward passes
     step_keep: torch.Tensor | None = None  # keep_after() for the current decoding step, computed once
+    # Keys each sequence holds per (layer, KV head) between forward passes. Every layer and head inserts
+    # one key per step and evicts down to the same keep count, so one number per sequence tracks them all
+    # and the "must this step evict?" test is made once per step instead of once per layer.
+    cached: list[int] = field(default_factory=list)
+    step_evicts: bool = False
+    step_excess: int = 0  # most keys any sequence is over its keep count this step (1 in decoding)
 
     def keep_after(self, n_seen: torch.Tensor) -> torch.Tensor:
         """Keys that may stay cached so that the next query (n_seen + 1 tokens) sees <= budget."""
@@ -126,18 +131,35 @@ class EvictingCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def _grouped_probs(query, key, mask, scaling, num_kv_heads):
-    """Attention probabilities summed over each GQA group, without copying keys per query head.
+def _attend_grouped(query, key, value, mask, scaling, num_kv_heads, sum_queries: bool = False):
+    """One explicit softmax pass: the attention output and the probabilities summed per GQA group.
 
-    query [B, Hq, Q, D], key [B, H, S, D], mask bool [B, 1 or Hq, Q, S] -> [B, H, Q, S] (float32).
+    Keys, values and the mask are shared by a group's query heads through views (no per-head copies).
+    query [B, Hq, Q, D], key/value [B, H, S, D] (value may be None), mask bool [B, 1, H or Hq, Q, S] ->
+    (output [B, Hq, Q, D] or None, probabilities summed over the group [B, H, Q, S] float32, or also
+    over the queries [B, H, 1, S] with `sum_queries`). Policies that score keys by attention get it from
+    the pass that produces the output instead of a second QK^T beside a fused SDPA kernel (which cannot
+    return probabilities).
     """
     B, Hq, Q, D = query.shape
-    groups = Hq // num_kv_heads
-    q = query.reshape(B, num_kv_heads, groups * Q, D)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scaling)  # [B, H, groups*Q, S]
-    hidden = ~mask.expand(B, Hq, Q, mask.shape[-1]).reshape(B, num_kv_heads, groups * Q, -1)
-    probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
-    return probs.view(B, num_kv_heads, groups, Q, -1).sum(dim=2)
+    H, S = num_kv_heads, key.shape[-2]
+    groups = Hq // H
+    scores = torch.matmul(query.reshape(B, H, groups * Q, D), key.transpose(-1, -2)).float().mul_(scaling)
+    # [B, 1 or H, 1, Q, S] broadcasts over the group's query heads; [B, Hq, Q, S] is split per group.
+    hidden = ~(mask.reshape(B, H, groups, Q, S) if mask.shape[1] == Hq and groups > 1 else mask.unsqueeze(2))
+    scores.view(B, H, groups, Q, S).masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [B, H, groups*Q, S]
+    out = None
+    if value is not None:
+        out = torch.matmul(probs.to(value.dtype), value).view(B, Hq, Q, value.shape[-1])
+    if sum_queries:
+        return out, probs.sum(dim=2, keepdim=True)
+    return out, probs.view(B, H, groups, Q, S).sum(dim=2)
+
+
+def _grouped_probs(query, key, mask, scaling, num_kv_heads):
+    """Attention probabilities summed over each GQA group: [B, H, Q, S] float32."""
+    return _attend_grouped(query, key, None, mask, scaling, num_kv_heads)[1]
 
 
 def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -152,15 +174,21 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if st.phase == "prefill":
         mask = st.prefill_mask  # [B, 1, P, P]
         B, _, P, _ = mask.shape
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
         attn_obs = None
-        if need == "all":  # column sums over every query, chunked to bound memory
+        if need == "all":
+            # Output and column sums from one explicit pass, chunked over queries to bound memory.
             attn_obs = query.new_zeros(B, H, 1, P, dtype=torch.float32)
+            out = torch.empty_like(query)
             for start in range(0, P, _PREFILL_CHUNK):
                 end = min(start + _PREFILL_CHUNK, P)  # causal: keys beyond the chunk get no attention
-                part = _grouped_probs(query[:, :, start:end], key[:, :, :end], mask[:, :, start:end, :end], scaling, H)
-                attn_obs[..., :end] += part.sum(dim=2, keepdim=True)
-        elif need == "window":
+                part_out, part = _attend_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
+                                                 mask[:, :, start:end, :end], scaling, H, sum_queries=True)
+                out[:, :, start:end] = part_out
+                attn_obs[..., :end] += part
+        else:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                 enable_gqa=groups > 1)
+        if need == "window":
             w = min(st.eviction["window"], P)
             attn_obs = _grouped_probs(query[:, :, -w:], key, mask[:, :, -w:], scaling, H)
         # Slots = the prompt positions (-1 for left padding).
@@ -197,22 +225,22 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         st.slots[layer] = LayerSlots(slot_pos=new_pos, extra=extras)
         module_cache_layer = kwargs["smd_rollout_cache"].layers[layer]
         module_cache_layer.finish_prefill(order)
-        st.peak_slots = max(st.peak_slots, int((new_pos >= 0).sum(-1).max()))
         return out.transpose(1, 2).contiguous(), None
 
     # Decode: one query per sequence over the slots.
     slots = st.slots[layer]
-    valid = slots.slot_pos >= 0  # [B, H, C]
-    mask = valid.repeat_interleave(groups, dim=1).unsqueeze(2)  # [B, Hq, 1, C]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
     if need != "none":
-        st.policy.observe_decode(layer, slots, _grouped_probs(query, key, mask, scaling, H))
-    if st.policy.evicts:
-        keep = st.step_keep
-        if bool(((slots.slot_pos >= 0).sum(-1) > keep.view(-1, 1)).any()):
-            sc = st.policy.scores(layer, slots)
-            evict(slots, sc, keep, st.current_pos, st.eviction["sinks"], st.eviction["window"], st.evict_at[layer])
-    st.peak_slots = max(st.peak_slots, int((slots.slot_pos >= 0).sum(-1).max()))
+        out, probs = _attend_grouped(query, key, value, valid, scaling, H)
+        st.policy.observe_decode(layer, slots, probs)
+    else:
+        mask = valid.repeat_interleave(groups, dim=1) if groups > 1 else valid  # [B, Hq, 1, C]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=groups > 1)
+    if st.step_evicts:
+        sc = st.policy.scores(layer, slots)
+        evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.eviction["window"],
+              st.evict_at[layer], at_most_one=st.step_excess <= 1)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -326,6 +354,9 @@ def generate_batch(
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
                     logits_to_keep=1, **kwargs)
         state.phase = "decode"
+        state.cached = lens.tolist()
+        if state.policy.evicts:  # prefill evicted every layer and head down to the same count
+            state.cached = [min(n, k) for n, k in zip(state.cached, state.keep_after(lens).tolist(), strict=True)]
         for step in range(max_new_tokens):
             tok, lp = _sample(out.logits[:, -1], temperature, top_k, top_p, generator)
             for i in range(B):
@@ -339,6 +370,12 @@ def generate_batch(
                 break
             state.current_pos = lens + step
             state.step_keep = state.keep_after(state.current_pos + 1)
+            state.cached = [n + 1 for n in state.cached]  # this step's key, in every layer and head
+            if state.policy.evicts:
+                keep = state.step_keep.tolist()
+                state.step_excess = max(n - k for n, k in zip(state.cached, keep, strict=True))
+                state.step_evicts = state.step_excess > 0
+                state.cached = [min(n, k) for n, k in zip(state.cached, keep, strict=True)]
             feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
             out = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
                         use_cache=True, **kwargs)

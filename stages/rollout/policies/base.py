@@ -74,17 +74,24 @@ def evict(
     sinks: int,
     window: int,
     evict_at: torch.Tensor,
+    at_most_one: bool = False,
 ) -> torch.Tensor:
     """Evict down to `keep[b]` slots per (b, h), record `evict_at`, return the number of evictions.
 
     Protected (never evicted): positions < sinks and the window-1 most recent positions (with the next
     token they form the recent window the next query sees). Among the rest, lowest score goes first;
     ties evict the oldest position. `evict_at[b, h, pos] = current_pos[b] + 1` for every evicted key.
+
+    `at_most_one`: the caller knows no (b, h) holds more than keep + 1 keys (a decoding step: one key in,
+    a budget that grows by at most one). The single victim is then found with a min and an argmin
+    instead of two sorts; the rule, tie-break included, is the same.
     """
     pos = slots.slot_pos
     valid = pos >= 0
     cur = current_pos.view(-1, 1, 1)
     protected = valid & ((pos < sinks) | (pos > cur - (window - 1)))
+    if at_most_one:
+        return _evict_one(slots, scores, keep, current_pos, protected, evict_at)
     key = scores.to(torch.float64).masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
     # Deterministic tie-break: sort by position (newest first), then stable sort by score (highest first).
     by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -100,3 +107,21 @@ def evict(
     evict_at[b_idx, h_idx, pos[b_idx, h_idx, s_idx]] = (current_pos[b_idx] + 1).to(evict_at.dtype)
     pos[b_idx, h_idx, s_idx] = -1
     return victims.sum()
+
+
+def _evict_one(slots: LayerSlots, scores: torch.Tensor, keep: torch.Tensor, current_pos: torch.Tensor,
+               protected: torch.Tensor, evict_at: torch.Tensor) -> torch.Tensor:
+    """`evict` when each (b, h) is at most one key over `keep`: its lowest-scored, oldest unprotected key."""
+    pos = slots.slot_pos
+    valid = pos >= 0
+    over = valid.sum(-1) > keep.view(-1, 1)  # [B, H]
+    if not bool(over.any()):
+        return torch.zeros((), dtype=torch.long)
+    key = scores.to(torch.float64).masked_fill(protected | ~valid, float("inf"))
+    lowest = key.amin(dim=-1, keepdim=True)
+    oldest = pos.masked_fill(key != lowest, torch.iinfo(pos.dtype).max).argmin(dim=-1)  # [B, H]
+    b_idx, h_idx = over.nonzero(as_tuple=True)
+    s_idx = oldest[b_idx, h_idx]
+    evict_at[b_idx, h_idx, pos[b_idx, h_idx, s_idx]] = (current_pos[b_idx] + 1).to(evict_at.dtype)
+    pos[b_idx, h_idx, s_idx] = -1
+    return over.sum()
