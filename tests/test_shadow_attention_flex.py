@@ -88,17 +88,21 @@ def test_flex_attention_equals_sdpa_forward_and_backward():
             assert (flex_shadow_attention(q, k, v, ev[0], D**-0.5, masks, 0) - ref).abs().max().item() <= TOL
 
 
-def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
+def _model_batch(tmp_path, policy: str, seed: int, ids_seed: int):
+    """Tiny GQA model and a 3-row batch (lengths 120/77/101, prompts 60/40/70) with synthetic masks."""
     model = load_policy(make_model_dir(tmp_path, "gqa"))
     lengths, prompts = [120, 77, 101], [60, 40, 70]
-    rng = np.random.default_rng(3)
-    ev_cfg = eviction_config("h2o", 0.5, sinks=2, window=4)
-    rows = [torch.from_numpy(synthetic_evict_at("h2o", T, P, 2, 2, ev_cfg, rng).astype(np.int64))
+    rng = np.random.default_rng(seed)
+    ev_cfg = eviction_config(policy, 0.5, sinks=2, window=4)
+    rows = [torch.from_numpy(synthetic_evict_at(policy, T, P, 2, 2, ev_cfg, rng).astype(np.int64))
             for T, P in zip(lengths, prompts)]
     T = max(lengths)
-    evict_at = pad_evict_at(rows, T)
-    ids = torch.randint(4, 200, (3, T), generator=torch.Generator().manual_seed(0))
-    resp = [t - p for t, p in zip(lengths, prompts)]
+    ids = torch.randint(4, 200, (3, T), generator=torch.Generator().manual_seed(ids_seed))
+    return model, ids, pad_evict_at(rows, T), prompts, [t - p for t, p in zip(lengths, prompts)]
+
+
+def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
+    model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
     results = {}
     for backend in ("sdpa", "flex"):
         model.zero_grad()
@@ -117,17 +121,8 @@ def test_shared_prefix_teacher_pass_equals_separate_passes(tmp_path, backend):
     """Policy + teacher over a shared prefill (one prefix pass into a KV cache) == two full forwards."""
     from stages.learner.shadow_attention import response_logits_with_teacher, shared_prefix_length
 
-    model = load_policy(make_model_dir(tmp_path, "gqa"))
-    lengths, prompts = [120, 77, 101], [60, 40, 70]
-    rng = np.random.default_rng(4)
-    ev_cfg = eviction_config("snapkv", 0.5, sinks=2, window=4)
-    rows = [torch.from_numpy(synthetic_evict_at("snapkv", T, P, 2, 2, ev_cfg, rng).astype(np.int64))
-            for T, P in zip(lengths, prompts)]
-    T = max(lengths)
-    evict_at = pad_evict_at(rows, T)
+    model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "snapkv", seed=4, ids_seed=1)
     assert shared_prefix_length(evict_at, prompts, 16) == 32  # first eviction at 40 (prompt), block 16
-    ids = torch.randint(4, 200, (3, T), generator=torch.Generator().manual_seed(1))
-    resp = [t - p for t, p in zip(lengths, prompts)]
 
     def grads():
         out = {n: p.grad.clone() for n, p in model.named_parameters()}

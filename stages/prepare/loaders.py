@@ -229,30 +229,22 @@ def _flatten(value: Any) -> list[str] | None:
     return None
 
 
+def _joined_text(path: Path, line: int, rec: dict, field: str, sep: str, expected: str) -> str:
+    """`rec[field]` (text, paragraphs or nested sections) as one string, its parts joined by `sep`."""
+    if field not in rec:
+        raise _fail(path, line, field, "missing field")
+    parts = _flatten(rec[field])
+    if parts is None:
+        raise _fail(path, line, field, f"expected {expected}, got {type(rec[field]).__name__}")
+    return sep.join(p.strip() for p in parts if p.strip())
+
+
 def govreport(path: Path, line: int, rec: dict) -> Example:
     field = "report" if "report" in rec else "document"
     if field not in rec:
         raise _fail(path, line, "report", "missing field (expected report or document)")
-    parts = _flatten(rec[field])
-    if parts is None:
-        raise _fail(
-            path,
-            line,
-            field,
-            f"expected text, a list of paragraphs or sections, got {type(rec[field]).__name__}",
-        )
-    doc = "\n".join(p.strip() for p in parts if p.strip())
-    if "summary" not in rec:
-        raise _fail(path, line, "summary", "missing field")
-    summary_parts = _flatten(rec["summary"])
-    if summary_parts is None:
-        raise _fail(
-            path,
-            line,
-            "summary",
-            f"expected text or a list of paragraphs, got {type(rec['summary']).__name__}",
-        )
-    summary = " ".join(p.strip() for p in summary_parts if p.strip())
+    doc = _joined_text(path, line, rec, field, "\n", "text, a list of paragraphs or sections")
+    summary = _joined_text(path, line, rec, "summary", " ", "text or a list of paragraphs")
     if not summary:
         raise _fail(path, line, "summary", "empty")
     return Example(

@@ -46,12 +46,9 @@ class RolloutState:
     current_pos: torch.Tensor | None = None  # [B] position of the query being decoded
     slots: list[LayerSlots | None] = field(default_factory=list)
     step_keep: torch.Tensor | None = None  # keep_after() for the current decoding step, computed once
-    # Keys each sequence holds per (layer, KV head) between forward passes. Every layer and head inserts
-    # one key per step and evicts down to the same keep count, so one number per sequence tracks them all
-    # and the "must this step evict?" test is made once per step instead of once per layer.
-    cached: list[int] = field(default_factory=list)
-    step_evicts: bool = False
-    step_excess: int = 0  # most keys any sequence is over its keep count this step (1 in decoding)
+    # Most keys any sequence is over its keep count this step (0: no layer evicts; 1 in decoding), decided
+    # once per step by generate_batch instead of by a tensor check in every layer.
+    step_excess: int = 0
 
     def keep_after(self, n_seen: torch.Tensor) -> torch.Tensor:
         """Keys that may stay cached so that the next query (n_seen + 1 tokens) sees <= budget."""
@@ -157,11 +154,6 @@ def _attend_grouped(query, key, value, mask, scaling, num_kv_heads, sum_queries:
     return out, probs.view(B, H, groups, Q, S).sum(dim=2)
 
 
-def _grouped_probs(query, key, mask, scaling, num_kv_heads):
-    """Attention probabilities summed over each GQA group: [B, H, Q, S] float32."""
-    return _attend_grouped(query, key, None, mask, scaling, num_kv_heads)[1]
-
-
 def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`smd_rollout` attention: masked attention over the evicting cache, then score and evict."""
     st: RolloutState = kwargs["smd_rollout_state"]
@@ -190,7 +182,7 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                                  enable_gqa=groups > 1)
         if need == "window":
             w = min(st.eviction["window"], P)
-            attn_obs = _grouped_probs(query[:, :, -w:], key, mask[:, :, -w:], scaling, H)
+            attn_obs = _attend_grouped(query[:, :, -w:], key, None, mask[:, :, -w:], scaling, H)[1]
         # Slots = the prompt positions (-1 for left padding).
         pad = P - st.prompt_lens
         pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)  # [B, P]
@@ -237,7 +229,7 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         mask = valid.repeat_interleave(groups, dim=1) if groups > 1 else valid  # [B, Hq, 1, C]
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                              enable_gqa=groups > 1)
-    if st.step_evicts:
+    if st.step_excess > 0:
         sc = st.policy.scores(layer, slots)
         evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.eviction["window"],
               st.evict_at[layer], at_most_one=st.step_excess <= 1)
@@ -354,9 +346,11 @@ def generate_batch(
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
                     logits_to_keep=1, **kwargs)
         state.phase = "decode"
-        state.cached = lens.tolist()
+        # Keys each sequence holds per (layer, KV head): every layer and head inserts one key per step and
+        # evicts down to the same keep count, so one number per sequence tracks them all.
+        cached = lens.tolist()
         if state.policy.evicts:  # prefill evicted every layer and head down to the same count
-            state.cached = [min(n, k) for n, k in zip(state.cached, state.keep_after(lens).tolist(), strict=True)]
+            cached = [min(n, k) for n, k in zip(cached, state.keep_after(lens).tolist(), strict=True)]
         for step in range(max_new_tokens):
             tok, lp = _sample(out.logits[:, -1], temperature, top_k, top_p, generator)
             for i in range(B):
@@ -370,12 +364,11 @@ def generate_batch(
                 break
             state.current_pos = lens + step
             state.step_keep = state.keep_after(state.current_pos + 1)
-            state.cached = [n + 1 for n in state.cached]  # this step's key, in every layer and head
+            cached = [n + 1 for n in cached]  # this step's key, in every layer and head
             if state.policy.evicts:
                 keep = state.step_keep.tolist()
-                state.step_excess = max(n - k for n, k in zip(state.cached, keep, strict=True))
-                state.step_evicts = state.step_excess > 0
-                state.cached = [min(n, k) for n, k in zip(state.cached, keep, strict=True)]
+                state.step_excess = max(n - k for n, k in zip(cached, keep, strict=True))
+                cached = [min(n, k) for n, k in zip(cached, keep, strict=True)]
             feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
             out = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
                         use_cache=True, **kwargs)

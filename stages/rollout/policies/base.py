@@ -91,7 +91,7 @@ def evict(
     cur = current_pos.view(-1, 1, 1)
     protected = valid & ((pos < sinks) | (pos > cur - (window - 1)))
     if at_most_one:
-        return _evict_one(slots, scores, keep, current_pos, protected, evict_at)
+        return _evict_one(slots, scores, keep, current_pos, valid, protected, evict_at)
     key = scores.to(torch.float64).masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
     # Deterministic tie-break: sort by position (newest first), then stable sort by score (highest first).
     by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -110,10 +110,9 @@ def evict(
 
 
 def _evict_one(slots: LayerSlots, scores: torch.Tensor, keep: torch.Tensor, current_pos: torch.Tensor,
-               protected: torch.Tensor, evict_at: torch.Tensor) -> torch.Tensor:
+               valid: torch.Tensor, protected: torch.Tensor, evict_at: torch.Tensor) -> torch.Tensor:
     """`evict` when each (b, h) is at most one key over `keep`: its lowest-scored, oldest unprotected key."""
     pos = slots.slot_pos
-    valid = pos >= 0
     over = valid.sum(-1) > keep.view(-1, 1)  # [B, H]
     if not bool(over.any()):
         return torch.zeros((), dtype=torch.long)
