@@ -29,6 +29,7 @@ from schemas.errors import SmdInputError
 
 MASK_SCHEMA_VERSION = "1"
 RAW_KIND = "raw_masks"
+RAW_FIELDS = ("evict_at", "offsets", "mask_row", "prompt_len")
 
 
 def protected_tokens(eviction: dict[str, Any]) -> int:
@@ -96,14 +97,15 @@ def write_raw_masks(
         for i, shard in enumerate(shards):
             g = root.create_group(f"shard-{i:05d}")
             g.attrs.update(attrs)
-            for name, dtype in (("evict_at", np.int32), ("offsets", np.int64), ("mask_row", np.int64), ("prompt_len", np.int32)):
+            for name, dtype in zip(RAW_FIELDS, (np.int32, np.int64, np.int64, np.int32), strict=True):
                 arr = np.ascontiguousarray(shard[name], dtype=dtype)
                 g.create_array(name, data=arr, chunks=arr.shape if arr.size else None)
     return Path(path)
 
 
 def read_raw_masks(path: str | Path) -> tuple[dict[str, Any], list[dict[str, np.ndarray]]]:
-    """Return (group attrs, shards) of a raw store; one clear line if it is missing or malformed."""
+    """Return (group attrs, shards) of a raw store, its shards' shapes and attrs checked against the group;
+    one clear line if it is missing or malformed."""
     path = Path(path)
     if not path.exists():
         raise SmdInputError(f"{path}: missing raw mask store")
@@ -120,7 +122,7 @@ def read_raw_masks(path: str | Path) -> tuple[dict[str, Any], list[dict[str, np.
     for name in sorted(k for k in root.group_keys() if k.startswith("shard-")):
         g = root[name]
         shard: dict[str, Any] = {"name": name, "attrs": dict(g.attrs)}
-        for field in ("evict_at", "offsets", "mask_row", "prompt_len"):
+        for field in RAW_FIELDS:
             try:
                 shard[field] = g[field][...]
             except Exception as exc:  # noqa: BLE001
@@ -128,4 +130,36 @@ def read_raw_masks(path: str | Path) -> tuple[dict[str, Any], list[dict[str, np.
         shards.append(shard)
     if not shards:
         raise SmdInputError(f"{path}: no shards")
+    _check_shards(path, attrs, shards)
     return attrs, shards
+
+
+def _check_shards(path: Path, attrs: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+    """Every shard agrees with the group's attrs and holds consistent ragged arrays (one line on error)."""
+    try:
+        L, H = int(attrs["num_layers"]), int(attrs["num_kv_heads"])
+        eviction = dict(attrs["eviction"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SmdInputError(f"{path}: attrs: missing or invalid {exc}") from exc
+    for shard in shards:
+        where = f"{path}/{shard['name']}"
+        sa = shard["attrs"]
+        for key, expected in (
+            ("kind", RAW_KIND),
+            ("schema_version", MASK_SCHEMA_VERSION),
+            ("num_layers", L),
+            ("num_kv_heads", H),
+            ("eviction", eviction),
+        ):
+            if sa.get(key) != expected:
+                raise SmdInputError(f"{where}: {key}: {sa.get(key)!r} differs from the store's {expected!r} (shard from another run?)")
+        ev, off, mrow, plen = (shard[f] for f in RAW_FIELDS)
+        if ev.ndim != 3 or ev.shape[1:] != (L, H):
+            raise SmdInputError(f"{where}/evict_at: shape {ev.shape}, expected [tokens, {L}, {H}]")
+        if not np.issubdtype(ev.dtype, np.integer):
+            raise SmdInputError(f"{where}/evict_at: dtype {ev.dtype}, expected int32")
+        n = len(mrow)
+        if off.shape != (n + 1,) or plen.shape != (n,):
+            raise SmdInputError(f"{where}/offsets: {off.shape[0]} offsets and {plen.shape[0]} prompt_len for {n} rows")
+        if n and (off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != ev.shape[0]):
+            raise SmdInputError(f"{where}/offsets: must rise from 0 to the {ev.shape[0]} tokens of evict_at")

@@ -23,7 +23,7 @@ from schemas.masks import visibility, write_raw_masks
 from schemas.params.compaction import CompactionParams
 from schemas.tables import write_table
 from stages.compaction import compact
-from stages.compaction.synthetic import SYNTHETIC_POLICIES, eviction_config, make_inputs
+from stages.synthetic_rollouts import SYNTHETIC_POLICIES, eviction_config, make_inputs
 
 LENGTHS = [40, 97, 130, 64, 201]
 PROMPTS = [10, 30, 20, 64, 50]  # row 3 is all prompt (no decode query)

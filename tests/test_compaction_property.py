@@ -13,7 +13,7 @@ from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.masks import visible_counts, write_raw_masks
 from schemas.params.compaction import CompactionParams
 from stages.compaction import compact
-from stages.compaction.synthetic import (
+from stages.synthetic_rollouts import (
     SYNTHETIC_POLICIES,
     budget_table,
     eviction_config,

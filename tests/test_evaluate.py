@@ -143,7 +143,7 @@ def test_cli_evaluate(setup, tmp_path):
 
 def test_summary_rows_warm_start_and_iterations(tmp_path):
     from cli.main import app
-    from stages.evaluate.progress import progress, summary_table
+    from stages.reporting.progress import progress, summary_table
 
     (tmp_path / "warmstart").mkdir()
     (tmp_path / "warmstart" / "metrics.json").write_text(json.dumps(

@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from schemas.errors import SmdInputError
-from stages.evaluate.report import parse_dvc_exp_show, report
+from stages.reporting.report import parse_dvc_exp_show, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,9 +8,9 @@ import torch
 
 from schemas.masks import budget, visible_counts
 from schemas.params.rollout import POLICIES, EvictionParams
+from stages.kvcache.engine import generate_batch
 from stages.learner.shadow_attention import masked_forward_logits, response_logprobs
 from stages.model import load_policy
-from stages.rollout.engine import generate_batch
 from tests.helpers import make_model_dir, random_prompts, replay_batch
 
 TOL = 1e-5

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from schemas.masks import visibility
-from stages.compaction.synthetic import eviction_config, synthetic_evict_at
 from stages.learner.flex_backend import (
     block_structure,
     build_block_mask,
@@ -19,6 +18,7 @@ from stages.learner.flex_backend import (
 )
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.model import load_policy
+from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 from tests.helpers import make_model_dir
 
 TOL = 1e-5

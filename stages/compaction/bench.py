@@ -29,7 +29,7 @@ from typing import Any
 from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.params.compaction import CompactionParams
 from stages.compaction.compact import compact
-from stages.compaction.synthetic import (
+from stages.synthetic_rollouts import (
     SYNTHETIC_POLICIES,
     eviction_config,
     synthetic_rollout,

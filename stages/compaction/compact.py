@@ -22,45 +22,9 @@ import pyarrow.compute as pc
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.mask_store import RETENTION_STATS, narrowest_dtype, store_nbytes, write_mask_store
-from schemas.masks import MASK_SCHEMA_VERSION, RAW_KIND, budget, read_raw_masks, visible_counts
+from schemas.masks import budget, read_raw_masks, visible_counts
 from schemas.params.compaction import CompactionParams
 from schemas.tables import read_table, table_config
-
-RAW_FIELDS = ("evict_at", "offsets", "mask_row", "prompt_len")
-
-
-def load_raw(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Read a raw store and check its shards' shapes and attrs against the group (one line on error)."""
-    path = Path(path)
-    attrs, shards = read_raw_masks(path)
-    try:
-        L, H = int(attrs["num_layers"]), int(attrs["num_kv_heads"])
-        eviction = dict(attrs["eviction"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SmdInputError(f"{path}: attrs: missing or invalid {exc}") from exc
-    for shard in shards:
-        where = f"{path}/{shard['name']}"
-        sa = shard["attrs"]
-        for key, expected in (
-            ("kind", RAW_KIND),
-            ("schema_version", MASK_SCHEMA_VERSION),
-            ("num_layers", L),
-            ("num_kv_heads", H),
-            ("eviction", eviction),
-        ):
-            if sa.get(key) != expected:
-                raise SmdInputError(f"{where}: {key}: {sa.get(key)!r} differs from the store's {expected!r} (shard from another run?)")
-        ev, off, mrow, plen = (shard[f] for f in RAW_FIELDS)
-        if ev.ndim != 3 or ev.shape[1:] != (L, H):
-            raise SmdInputError(f"{where}/evict_at: shape {ev.shape}, expected [tokens, {L}, {H}]")
-        if not np.issubdtype(ev.dtype, np.integer):
-            raise SmdInputError(f"{where}/evict_at: dtype {ev.dtype}, expected int32")
-        n = len(mrow)
-        if off.shape != (n + 1,) or plen.shape != (n,):
-            raise SmdInputError(f"{where}/offsets: {off.shape[0]} offsets and {plen.shape[0]} prompt_len for {n} rows")
-        if n and (off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != ev.shape[0]):
-            raise SmdInputError(f"{where}/offsets: must rise from 0 to the {ev.shape[0]} tokens of evict_at")
-    return attrs, shards
 
 
 def _table_info(table, source: str, eviction: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -236,7 +200,7 @@ def compact(
     traj_path, raw_path, out_path = Path(trajectories_path), Path(raw_masks_path), Path(out_path)
     metrics_path = Path(metrics_path) if metrics_path is not None else out_path.parent / "metrics.json"
     table = read_table(traj_path, "trajectories")
-    attrs, shards = load_raw(raw_path)
+    attrs, shards = read_raw_masks(raw_path)
     eviction = dict(attrs["eviction"])
     L, H = int(attrs["num_layers"]), int(attrs["num_kv_heads"])
     info = _table_info(table, str(traj_path), eviction)

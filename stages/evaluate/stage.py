@@ -1,7 +1,7 @@
 """`smdctl evaluate`: greedy held-out evaluation of a policy, with the dense and with the compressed KV cache.
 
 Both modes decode the same eval prompts greedily (temperature 0) through the rollout engine
-(stages.rollout.engine.generate_batch): `dense` with eviction policy "dense" (every key kept), `compressed`
+(stages.kvcache.engine.generate_batch): `dense` with eviction policy "dense" (every key kept), `compressed`
 with the eviction the rollout samples with (`params.rollout.eviction`). So the compressed score is the
 accuracy of the policy as RL actually runs it, and dense - compressed is what the compression costs.
 Each response is scored with the task's metric (schemas.rewards: `score` and `exact_match`).
@@ -28,8 +28,8 @@ from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
+from stages.kvcache.engine import generate_batch
 from stages.model import load_policy, load_tokenizer
-from stages.rollout.engine import generate_batch
 
 MODES = ("dense", "compressed")
 DENSE = EvictionParams(policy="dense")

@@ -17,7 +17,7 @@ one step whose working memory is measured: peak resident set (VmHWM, reset throu
 minus the resident set just before it (model, optimizer state, inputs), with glibc set to mmap every
 allocation >= 64 KiB (mallopt) so that the resident set follows live memory.
 
-Masks are synthetic SnapKV-like schedules (`stages.compaction.synthetic`, keep ratio 0.5) over a
+Masks are synthetic SnapKV-like schedules (`stages.synthetic_rollouts`, keep ratio 0.5) over a
 prompt of 3/4 T and a response of T/4 (the learner's loss covers the response). Random weights.
 Times are CPU times on a shared machine: ratios are what count; on CPU FlexAttention has no fused
 backward, so the smd flex step uses the block-sparse torch backward of `flex_backend`.
@@ -102,8 +102,8 @@ def _setup(T: int, seed: int = 0) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from stages.compaction.synthetic import eviction_config, synthetic_evict_at
     from stages.learner.shadow_attention import pad_evict_at
+    from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 
     P, R = (3 * T) // 4, T - (3 * T) // 4
     rng = np.random.default_rng(seed)

@@ -14,8 +14,8 @@ import torch
 
 from schemas.params.model import TinyModelParams
 from schemas.params.rollout import POLICIES, EvictionParams
+from stages.kvcache.engine import generate_batch
 from stages.model import build_tiny_model
-from stages.rollout.engine import generate_batch
 
 
 def _reset_peak_rss() -> None:

@@ -22,8 +22,8 @@ from schemas.errors import SmdInputError
 from schemas.masks import write_raw_masks
 from schemas.params import Params
 from schemas.tables import read_table, write_table
+from stages.kvcache.engine import generate_batch
 from stages.model import load_policy, load_tokenizer
-from stages.rollout.engine import generate_batch
 
 
 def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int) -> list[int]:

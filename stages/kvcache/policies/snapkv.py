@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.rollout.policies.base import EvictionPolicy, LayerSlots, register_policy
+from stages.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
 
 
 @register_policy

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.rollout.policies.base import EvictionPolicy, LayerSlots, register_policy
+from stages.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
 
 
 @register_policy

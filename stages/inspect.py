@@ -13,7 +13,7 @@ import zarr
 
 from schemas.errors import SmdInputError
 from schemas.mask_store import RETENTION_STATS, STORE_KIND, open_mask_store, retention_frame, store_nbytes
-from schemas.masks import RAW_KIND, visible_counts
+from schemas.masks import RAW_KIND, read_raw_masks, visible_counts
 from schemas.tables import KINDS, read_table, table_config
 
 
@@ -142,9 +142,7 @@ def _inspect_zarr(path: Path) -> dict[str, Any]:
             "per_head": per_head,
         }
     if kind == RAW_KIND:
-        from stages.compaction.compact import load_raw
-
-        attrs, shards = load_raw(path)
+        attrs, shards = read_raw_masks(path)
         L, H = int(attrs["num_layers"]), int(attrs["num_kv_heads"])
         lengths = np.concatenate([np.diff(s["offsets"]) for s in shards])
         stats = {

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from schemas.masks import budget, visible_counts
 from schemas.params.rollout import EvictionParams
-from stages.rollout.policies import EvictionPolicy, LayerSlots, evict, make_policy
+from stages.kvcache.policies import EvictionPolicy, LayerSlots, evict, make_policy
 
 ROLLOUT_ATTENTION = "smd_rollout"
 _PREFILL_CHUNK = 64  # query chunk for attention-probability passes (bounds memory at long prompts)

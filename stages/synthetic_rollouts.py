@@ -1,4 +1,4 @@
-"""Synthetic rollouts for tests and the compaction benchmark: policy-like eviction schedules.
+"""Synthetic rollouts for tests and benchmarks (compaction, learner): policy-like eviction schedules.
 
 Every schedule is produced by simulating a cache under the budget rule of `schemas.masks.budget`:
 prefill attends densely; at each decode query q the new key enters and, while the cache holds more

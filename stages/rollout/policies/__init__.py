@@ -1,6 +1,0 @@
-"""Eviction policies: one file each, registered by name in POLICY_REGISTRY."""
-
-from stages.rollout.policies import dense, h2o, random_evict, recent, snapkv  # noqa: F401 (registration)
-from stages.rollout.policies.base import POLICY_REGISTRY, EvictionPolicy, LayerSlots, evict, make_policy
-
-__all__ = ["POLICY_REGISTRY", "EvictionPolicy", "LayerSlots", "evict", "make_policy"]
