@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from cli.common import guarded
+from schemas.params.rollout import POLICIES
 
 bench_app = typer.Typer(help="Benchmarks: ratios measured side by side in one run.", no_args_is_help=True)
 
@@ -24,7 +25,8 @@ def bench() -> None:
 @bench_app.command("compaction")
 def bench_compaction(
     lengths: Annotated[str, typer.Option(help="Comma-separated tokens per row.")] = "1024,4096,16384",
-    policies: Annotated[str, typer.Option(help="Comma-separated synthetic policies.")] = "dense,recent,random,h2o,snapkv",
+    policies: Annotated[str, typer.Option(help="Comma-separated eviction policies (synthetic schedules).")] = ",".join(
+        POLICIES),
     keep_ratio: Annotated[float, typer.Option(help="Eviction keep ratio.")] = 0.5,
     microbatch_tokens: Annotated[int, typer.Option(help="Learner micro-batch tokens (rows = this // T, >= 1).")] = 4096,
     fwd_only_from: Annotated[

@@ -7,6 +7,8 @@ in its place through `model.init_path`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -101,3 +103,24 @@ def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: s
         raise SmdInputError(f"{path}: cannot load policy checkpoint ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str) -> Iterator:
+    """Run the model's forward passes with the attention function registered as `name` (restored on exit)."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield model
+    finally:
+        model.config._attn_implementation = previous
+
+
+def check_positions(model, tokens: int, what: str) -> None:
+    """One line (SmdInputError) when a sequence of `tokens` tokens does not fit the model's positions.
+
+    `what` describes the sequence and leads the message: "<what> exceeds the model's N positions".
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise SmdInputError(f"{what} exceeds the model's {limit} positions")

@@ -24,8 +24,6 @@ from schemas.masks import budget, write_raw_masks
 from schemas.params.rollout import EvictionParams
 from schemas.tables import write_table
 
-SYNTHETIC_POLICIES = ("dense", "recent", "random", "h2o", "snapkv")
-
 
 def budget_table(T: int, eviction: dict[str, Any]) -> np.ndarray:
     """b[n] = budget(n) for n = 0..T (b[0] = 0)."""

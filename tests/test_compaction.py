@@ -21,9 +21,10 @@ from schemas.mask_store import (
 )
 from schemas.masks import visibility, write_raw_masks
 from schemas.params.compaction import CompactionParams
+from schemas.params.rollout import POLICIES
 from schemas.tables import write_table
 from stages.compaction import compact
-from stages.synthetic_rollouts import SYNTHETIC_POLICIES, eviction_config, make_inputs
+from stages.synthetic_rollouts import eviction_config, make_inputs
 
 LENGTHS = [40, 97, 130, 64, 201]
 PROMPTS = [10, 30, 20, 64, 50]  # row 3 is all prompt (no decode query)
@@ -42,7 +43,7 @@ def _compact(tmp_path: Path, inp, chunk_rows: int = 2):
     return compact(CompactionParams(chunk_rows=chunk_rows), inp["trajectories"], inp["raw"], out, tmp_path / "out" / "metrics.json")
 
 
-@pytest.mark.parametrize("policy", SYNTHETIC_POLICIES)
+@pytest.mark.parametrize("policy", POLICIES)
 def test_round_trip_every_policy(tmp_path, policy):
     inp = _inputs(tmp_path, policy)
     written = _compact(tmp_path, inp)

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.masks import visible_counts, write_raw_masks
 from schemas.params.compaction import CompactionParams
+from schemas.params.rollout import POLICIES
 from stages.compaction import compact
 from stages.synthetic_rollouts import (
-    SYNTHETIC_POLICIES,
     budget_table,
     eviction_config,
     synthetic_rollout,
@@ -24,7 +24,7 @@ from stages.synthetic_rollouts import (
 
 @st.composite
 def rollouts(draw):
-    policy = draw(st.sampled_from(SYNTHETIC_POLICIES))
+    policy = draw(st.sampled_from(POLICIES))
     sinks = draw(st.integers(0, 4))
     window = draw(st.integers(1, 8))
     keep_ratio = draw(st.sampled_from([0.1, 0.3, 0.5, 0.9, 1.0]))

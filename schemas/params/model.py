@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -28,5 +30,5 @@ class ModelParams(BaseModel):
         description="Hugging Face model directory of the initial policy. `smdctl init-model` writes the tiny "
         "default here; point it at any causal-LM directory (e.g. Qwen3-4B-Instruct-2507) to use that instead.",
     )
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="Compute dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
     tiny: TinyModelParams = TinyModelParams()

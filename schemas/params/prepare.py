@@ -7,16 +7,21 @@ tasks (`gsm8k`, `hotpotqa`, `tldr`, `govreport`) are read from local files in th
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Literal, get_args
 
-SYNTHETIC_TASKS = ("kv_retrieval", "var_tracking", "arithmetic")
-DATASET_TASKS = ("gsm8k", "hotpotqa", "tldr", "govreport")
-TASKS = SYNTHETIC_TASKS + DATASET_TASKS
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SyntheticTask = Literal["kv_retrieval", "var_tracking", "arithmetic"]
+DatasetTask = Literal["gsm8k", "hotpotqa", "tldr", "govreport"]
+TaskName = Literal[SyntheticTask, DatasetTask]
+SYNTHETIC_TASKS: tuple[str, ...] = get_args(SyntheticTask)
+DATASET_TASKS: tuple[str, ...] = get_args(DatasetTask)
+TASKS: tuple[str, ...] = SYNTHETIC_TASKS + DATASET_TASKS
 
 
 class PrepareParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    task: str = Field(
+    task: TaskName = Field(
         "kv_retrieval",
         description=f"Task name: a synthetic generator {SYNTHETIC_TASKS} or a dataset loader {DATASET_TASKS}.",
     )
@@ -95,13 +100,6 @@ class PrepareParams(BaseModel):
         ge=0,
         description="Dataset tasks: drop examples whose reference is longer than this (0 = keep all).",
     )
-
-    @field_validator("task")
-    @classmethod
-    def _known_task(cls, task: str) -> str:
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-        return task
 
     @model_validator(mode="after")
     def _check(self) -> PrepareParams:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-POLICIES = ("dense", "snapkv", "h2o", "recent", "random")
+# The eviction policy names: the one list. stages.kvcache.policies registers one class under each name
+# (and fails at import if a name has none); benches, tests and synthetic rollouts take the names from here.
+PolicyName = Literal["dense", "snapkv", "h2o", "recent", "random"]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 
 class EvictionParams(BaseModel):
@@ -18,7 +23,7 @@ class EvictionParams(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    policy: str = Field("snapkv", description=f"Eviction policy, one of {POLICIES}.")
+    policy: PolicyName = Field("snapkv", description=f"Eviction policy, one of {POLICIES}.")
     keep_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Fraction of seen tokens kept (0.5 = 50% compression).")
     max_tokens: int | None = Field(None, ge=1, description="Absolute cap on cached tokens per layer/head (None = no cap).")
     sinks: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
@@ -28,8 +33,6 @@ class EvictionParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EvictionParams:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.max_tokens is not None and self.policy != "dense" and self.max_tokens < self.sinks + self.window + 1:
             raise ValueError(
                 f"max_tokens={self.max_tokens} is smaller than sinks + window + 1 = {self.sinks + self.window + 1}"

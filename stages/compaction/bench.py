@@ -28,13 +28,9 @@ from typing import Any
 
 from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.params.compaction import CompactionParams
+from schemas.params.rollout import POLICIES
 from stages.compaction.compact import compact
-from stages.synthetic_rollouts import (
-    SYNTHETIC_POLICIES,
-    eviction_config,
-    synthetic_rollout,
-    write_synthetic_inputs,
-)
+from stages.synthetic_rollouts import eviction_config, synthetic_rollout, write_synthetic_inputs
 
 TARGET_DENSE_FRACTION = 0.01  # at T = 4096
 TARGET_READ_FRACTION = 0.05
@@ -50,7 +46,7 @@ def _learner_step(T: int, rows: int, mode: str, repeats: int = 1) -> float:
 
     shape = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
     model = build_tiny_model(shape, vocab_size=len(tiny_vocabulary()), seed=0)
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
     ids = torch.randint(4, len(tiny_vocabulary()), (rows, T))
 
     def step() -> None:
@@ -93,7 +89,7 @@ def _read_time(store_path: Path, rows: Sequence[int], repeats: int) -> float:
 
 def run_compaction_bench(
     lengths: Sequence[int] = (1024, 4096, 16384),
-    policies: Sequence[str] = SYNTHETIC_POLICIES,
+    policies: Sequence[str] = POLICIES,
     *,
     num_layers: int = 4,
     num_kv_heads: int = 2,
@@ -110,10 +106,10 @@ def run_compaction_bench(
 
     console = console or Console(width=180)
     for p in policies:
-        if p not in SYNTHETIC_POLICIES:
+        if p not in POLICIES:
             from schemas.errors import SmdInputError
 
-            raise SmdInputError(f"bench compaction: unknown policy {p!r}; choose from {', '.join(SYNTHETIC_POLICIES)}")
+            raise SmdInputError(f"bench compaction: unknown policy {p!r}; choose from {', '.join(POLICIES)}")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="smd-bench-compaction-") as tmp:
         for T in lengths:

@@ -25,11 +25,10 @@ from rich.table import Table
 
 from schemas import rewards
 from schemas.atomic import atomic_path
-from schemas.errors import SmdInputError
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
 from stages.kvcache.engine import generate_batch
-from stages.model import load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer
 
 MODES = ("dense", "compressed")
 DENSE = EvictionParams(policy="dense")
@@ -42,18 +41,6 @@ def eviction_for(mode: str, params: Params) -> EvictionParams:
     if mode == "compressed":
         return params.rollout.eviction
     raise ValueError(f"unknown evaluation mode {mode!r}; choose one of {', '.join(MODES)}")
-
-
-def _check_lengths(prompts: list[dict[str, Any]], max_new_tokens: int, max_pos: int | None, source: Path) -> None:
-    if max_pos is None:
-        return
-    for p in prompts:
-        n = len(p["prompt_token_ids"])
-        if n + max_new_tokens > max_pos:
-            raise SmdInputError(
-                f"{source}: prompt_token_ids: prompt {p['prompt_id']} has {n} tokens; with "
-                f"evaluate.max_new_tokens={max_new_tokens} it exceeds the model's {max_pos} positions"
-            )
 
 
 def _decode_mode(model, tokenizer, prompts, eviction: EvictionParams, params: Params, iteration: int, mode: str,
@@ -138,8 +125,11 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
         rewards.metric_name(p["task"])  # unknown task -> one line naming it, before any decoding
     model = load_policy(policy_path, params.model.dtype)
     tokenizer = load_tokenizer(policy_path)
-    _check_lengths(prompts, cfg.max_new_tokens, getattr(model.config, "max_position_embeddings", None),
-                   eval_prompts_path)
+    longest = max(prompts, key=lambda p: len(p["prompt_token_ids"]))
+    n = len(longest["prompt_token_ids"])
+    check_positions(model, n + cfg.max_new_tokens,
+                    f"{eval_prompts_path}: prompt_token_ids: prompt {longest['prompt_id']} has {n} tokens; with "
+                    f"evaluate.max_new_tokens={cfg.max_new_tokens} it")
 
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}

@@ -12,7 +12,6 @@ How it plugs into transformers:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from schemas.masks import budget, visible_counts
 from schemas.params.rollout import EvictionParams
 from stages.kvcache.policies import EvictionPolicy, LayerSlots, evict, make_policy
+from stages.model import attention_implementation
 
 ROLLOUT_ATTENTION = "smd_rollout"
 _PREFILL_CHUNK = 64  # query chunk for attention-probability passes (bounds memory at long prompts)
@@ -237,17 +237,6 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 AttentionInterface.register(ROLLOUT_ATTENTION, rollout_attention)
-
-
-@contextlib.contextmanager
-def attention_implementation(model, name: str):
-    """Temporarily switch a model's attention implementation (restored on exit)."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = name
-    try:
-        yield model
-    finally:
-        model.config._attn_implementation = previous
 
 
 @dataclass

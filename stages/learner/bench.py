@@ -138,7 +138,7 @@ class _Learner:
         torch.manual_seed(0)
         shape = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
         self.model = build_tiny_model(shape, vocab_size=len(tiny_vocabulary()), seed=0)
-        self.model.config._attn_implementation = "sdpa"
+        self.model.set_attn_implementation("sdpa")
         self.model.eval()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.kw = objective_kwargs(LearnerParams(), 1.0)
@@ -154,6 +154,7 @@ class _Learner:
 
         from stages.learner.objectives import objective_loss, token_logprobs
         from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
+        from stages.model import attention_implementation
 
         model, b = self.model, self.batch
         if mode in ("smd_flex", "smd_sdpa"):  # as `smdctl learn`: teacher and policy share the prefill rows
@@ -162,12 +163,8 @@ class _Learner:
         elif mode == "smd_gather":  # the gathering learner: separate teacher pass first
             with torch.no_grad():
                 dsel, _, _ = response_logits(model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
-            prev = model.config._attn_implementation
-            model.config._attn_implementation = GATHER_ATTENTION
-            try:
+            with attention_implementation(model, GATHER_ATTENTION):
                 sel, targets, valid = _gather_logits(model, b, self.block_size)
-            finally:
-                model.config._attn_implementation = prev
         else:
             sel, targets, valid = response_logits(model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
         logp = token_logprobs(sel, targets).masked_fill(~valid, 0.0)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from schemas.masks import visibility
+from stages.model import attention_implementation
 
 SHADOW_ATTENTION = "smd_shadow"
 
@@ -115,13 +116,9 @@ def response_logits(model, input_ids: torch.Tensor, evict_at: torch.Tensor | Non
     if evict_at is None:
         logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
     else:
-        previous = model.config._attn_implementation
-        model.config._attn_implementation = SHADOW_ATTENTION
-        try:
+        with attention_implementation(model, SHADOW_ATTENTION):
             logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
                            smd_evict_at=evict_at, smd_backend=backend, **extra).logits
-        finally:
-            model.config._attn_implementation = previous
     idx, valid = response_index(prompt_lens, resp_lens, offset=start)
     idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
     sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
@@ -203,13 +200,9 @@ def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
         from stages.learner.flex_backend import build_block_masks
 
         extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = SHADOW_SUFFIX_ATTENTION
-    try:
+    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
         masked = model(input_ids=suffix, position_ids=suffix_pos, cache=cache, use_cache=True,
                        logits_to_keep=keep, smd_evict_at=evict_at, smd_backend=backend, **extra).logits
-    finally:
-        model.config._attn_implementation = previous
     idx, valid = response_index(prompt_lens, resp_lens, offset=start)
     idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
     index = idx.unsqueeze(-1).expand(-1, -1, masked.shape[-1])

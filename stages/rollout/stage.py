@@ -18,12 +18,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from schemas import rewards
 from schemas.atomic import atomic_path
-from schemas.errors import SmdInputError
 from schemas.masks import write_raw_masks
 from schemas.params import Params
 from schemas.tables import read_table, write_table
 from stages.kvcache.engine import generate_batch
-from stages.model import load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer
 
 
 def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int) -> list[int]:
@@ -39,15 +38,12 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     prompts = read_table(prompts_path, "prompts").to_pylist()
     model = load_policy(policy_path, params.model.dtype)
     tokenizer = load_tokenizer(policy_path)
-    max_pos = getattr(model.config, "max_position_embeddings", None)
     picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration)
-    for i in sorted(set(picked)):
-        n = len(prompts[i]["prompt_token_ids"])
-        if max_pos is not None and n + cfg.max_new_tokens > max_pos:
-            raise SmdInputError(
-                f"{prompts_path}: prompt_token_ids: prompt {prompts[i]['prompt_id']} has {n} tokens; with "
-                f"max_new_tokens={cfg.max_new_tokens} it exceeds the model's {max_pos} positions"
-            )
+    longest = max(sorted(set(picked)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
+    n = len(prompts[longest]["prompt_token_ids"])
+    check_positions(model, n + cfg.max_new_tokens,
+                    f"{prompts_path}: prompt_token_ids: prompt {prompts[longest]['prompt_id']} has {n} tokens; with "
+                    f"max_new_tokens={cfg.max_new_tokens} it")
     jobs = [(i, g) for i in picked for g in range(cfg.group_size)]
     generator = torch.Generator().manual_seed(params.seed * 1_000_003 + iteration)
     torch.manual_seed(params.seed * 1_000_003 + iteration)

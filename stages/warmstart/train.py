@@ -23,7 +23,7 @@ from schemas.params.model import ModelParams
 from schemas.params.warmstart import WarmstartParams
 from schemas.rewards import exact_match, metric_name, score
 from schemas.tables import read_table
-from stages.model import load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer
 
 
 def response_ids(tokenizer, reference: str) -> list[int]:
@@ -169,13 +169,8 @@ def run_warmstart(
 
     prompts = [r["prompt_token_ids"] for r in train]
     responses = [response_ids(tokenizer, r["reference"]) for r in train]
-    limit = getattr(model.config, "max_position_embeddings", None)
     longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    if limit and longest > limit:
-        raise SmdInputError(
-            f"{data_dir / 'train.arrow'}: prompt_token_ids: a sequence of {longest} tokens exceeds the model's "
-            f"max_position_embeddings={limit}"
-        )
+    check_positions(model, longest, f"{data_dir / 'train.arrow'}: prompt_token_ids: a sequence of {longest} tokens")
     # Check rows: the longest train prompts (like the eval split's full-length ones), never trained on.
     n_check = min(cfg.check_rows, len(train) // 4) if cfg.target_exact_match > 0 else 0
     by_length = sorted(range(len(train)), key=lambda i: (-len(prompts[i]), i))

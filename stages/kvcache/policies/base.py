@@ -11,12 +11,15 @@ from typing import ClassVar
 
 import torch
 
-from schemas.params.rollout import EvictionParams
+from schemas.params.rollout import POLICIES, EvictionParams
 
 POLICY_REGISTRY: dict[str, type[EvictionPolicy]] = {}
 
 
 def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """Register a policy class under its name, one of the names `rollout.eviction.policy` accepts."""
+    if cls.name not in POLICIES:
+        raise ValueError(f"policy {cls.name!r} is not one of the eviction policy names {POLICIES} (schemas.params.rollout)")
     POLICY_REGISTRY[cls.name] = cls
     return cls
 
