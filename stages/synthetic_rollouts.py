@@ -172,32 +172,3 @@ def write_synthetic_inputs(
     traj = write_table(table, directory / "trajectories.arrow", "trajectories", {"rollout": {"eviction": eviction}})
     raw = write_raw_masks(directory / raw_name, shards, num_layers, num_kv_heads, eviction)
     return traj, raw
-
-
-def make_inputs(
-    directory: str | Path,
-    policy: str,
-    lengths: list[int],
-    prompt_lens: list[int],
-    *,
-    num_layers: int = 4,
-    num_kv_heads: int = 2,
-    num_shards: int = 1,
-    seed: int = 0,
-    eviction: dict[str, Any] | None = None,
-    permute: bool = True,
-) -> dict[str, Any]:
-    """Generate and write a synthetic rollout; returns paths, rows, shards and the expected masks."""
-    table, shards, per_mask_row, eviction = synthetic_rollout(
-        policy, lengths, prompt_lens, num_layers=num_layers, num_kv_heads=num_kv_heads, eviction=eviction,
-        seed=seed, num_shards=num_shards, permute=permute,
-    )
-    traj, raw = write_synthetic_inputs(directory, table, shards, eviction, num_layers, num_kv_heads)
-    return {
-        "trajectories": traj,
-        "raw": raw,
-        "table": table,
-        "shards": shards,
-        "expected": per_mask_row,
-        "eviction": eviction,
-    }

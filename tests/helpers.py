@@ -1,13 +1,16 @@
-"""Test helpers shared across test modules (tiny models, prompt tables, rollout-to-learner batches)."""
+"""Test helpers shared across test modules (tiny models, prompt tables, rollout-to-learner batches, synthetic
+rollouts written to disk)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from schemas.params.model import TinyModelParams
 from stages.learner.shadow_attention import pad_evict_at
+from stages.synthetic_rollouts import synthetic_rollout, write_synthetic_inputs
 
 SHAPES = {
     "gqa": TinyModelParams(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -40,3 +43,32 @@ def replay_batch(prompts, results):
     for b, r in enumerate(results):
         rec[b, : len(r.logprobs)] = torch.tensor(r.logprobs)
     return ids, evict_at, rec
+
+
+def make_inputs(
+    directory: Path,
+    policy: str,
+    lengths: list[int],
+    prompt_lens: list[int],
+    *,
+    num_layers: int = 4,
+    num_kv_heads: int = 2,
+    num_shards: int = 1,
+    seed: int = 0,
+    eviction: dict[str, Any] | None = None,
+    permute: bool = True,
+) -> dict[str, Any]:
+    """Generate and write a synthetic rollout; returns paths, rows, shards and the expected masks."""
+    table, shards, per_mask_row, eviction = synthetic_rollout(
+        policy, lengths, prompt_lens, num_layers=num_layers, num_kv_heads=num_kv_heads, eviction=eviction,
+        seed=seed, num_shards=num_shards, permute=permute,
+    )
+    traj, raw = write_synthetic_inputs(directory, table, shards, eviction, num_layers, num_kv_heads)
+    return {
+        "trajectories": traj,
+        "raw": raw,
+        "table": table,
+        "shards": shards,
+        "expected": per_mask_row,
+        "eviction": eviction,
+    }

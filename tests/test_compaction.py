@@ -24,7 +24,8 @@ from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
 from schemas.tables import write_table
 from stages.compaction import compact
-from stages.synthetic_rollouts import eviction_config, make_inputs
+from stages.synthetic_rollouts import eviction_config
+from tests.helpers import make_inputs
 
 LENGTHS = [40, 97, 130, 64, 201]
 PROMPTS = [10, 30, 20, 64, 50]  # row 3 is all prompt (no decode query)

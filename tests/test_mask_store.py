@@ -18,7 +18,7 @@ from schemas.mask_store import (
 )
 from schemas.params.compaction import CompactionParams
 from stages.compaction import compact
-from stages.synthetic_rollouts import make_inputs
+from tests.helpers import make_inputs
 
 
 @pytest.fixture()

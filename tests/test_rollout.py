@@ -9,7 +9,8 @@ import torch
 from schemas.masks import budget, visible_counts
 from schemas.params.rollout import POLICIES, EvictionParams
 from stages.kvcache.engine import generate_batch
-from stages.learner.shadow_attention import masked_forward_logits, response_logprobs
+from stages.learner.objectives import token_logprobs
+from stages.learner.shadow_attention import response_logits
 from stages.model import load_policy
 from tests.helpers import make_model_dir, random_prompts, replay_batch
 
@@ -20,6 +21,13 @@ TOL = 1e-5
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {shape: load_policy(make_model_dir(root, shape)) for shape in ("gqa", "mha")}
+
+
+def _learner_logprobs(model, ids, evict_at, prompt_lens, resp_lens, temperature: float = 1.0):
+    """Response-token log-probs [B, R] and validity, as the learner computes them (shadow-masked with evict_at)."""
+    with torch.no_grad():
+        logits, targets, valid = response_logits(model, ids, evict_at, prompt_lens, resp_lens)
+    return token_logprobs(logits, targets, temperature), valid
 
 
 def _eviction(policy: str, **kw) -> EvictionParams:
@@ -41,9 +49,7 @@ def test_dense_logprobs_equal_full_forward(models):
     res, _ = generate_batch(model, prompts, _eviction("dense"), 8, eos_token_id=None, temperature=1.0,
                             generator=torch.Generator().manual_seed(0))
     ids, _, rec = replay_batch(prompts, res)
-    with torch.no_grad():
-        logits = masked_forward_logits(model, ids, None)
-    lp, valid = response_logprobs(logits, ids, [len(p) for p in prompts], [len(r.response_ids) for r in res])
+    lp, valid = _learner_logprobs(model, ids, None, [len(p) for p in prompts], [len(r.response_ids) for r in res])
     assert (lp - rec)[valid].abs().max().item() <= TOL
 
 
@@ -58,11 +64,8 @@ def test_shadow_mask_reproduces_rollout_logprobs(models, shape, policy):
                             generator=torch.Generator().manual_seed(1))
     ids, evict_at, rec = replay_batch(prompts, res)
     pl, rl = [len(p) for p in prompts], [len(r.response_ids) for r in res]
-    with torch.no_grad():
-        shadow = masked_forward_logits(model, ids, evict_at)
-        dense = masked_forward_logits(model, ids, None)
-    lp, valid = response_logprobs(shadow, ids, pl, rl, temperature)
-    lpd, _ = response_logprobs(dense, ids, pl, rl, temperature)
+    lp, valid = _learner_logprobs(model, ids, evict_at, pl, rl, temperature)
+    lpd, _ = _learner_logprobs(model, ids, None, pl, rl, temperature)
     assert (lp - rec)[valid].abs().max().item() <= TOL
     if policy != "dense":  # the mask matters: the dense learner is off-policy
         assert (lpd - rec)[valid].abs().max().item() > 1e-3

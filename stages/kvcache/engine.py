@@ -37,7 +37,6 @@ class RolloutState:
     policy: EvictionPolicy
     eviction: dict[str, Any]
     num_layers: int
-    num_kv_heads: int
     capacity: int
     prompt_lens: torch.Tensor  # [B]
     evict_at: torch.Tensor  # [L, B, H, T_max] int32, -1 = never evicted
@@ -306,7 +305,6 @@ def generate_batch(
         policy=make_policy(eviction, num_layers),
         eviction=ev,
         num_layers=num_layers,
-        num_kv_heads=num_kv,
         capacity=capacity,
         prompt_lens=lens,
         evict_at=torch.full((num_layers, B, num_kv, T_max), -1, dtype=torch.int32),

@@ -55,41 +55,6 @@ def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register(SHADOW_ATTENTION, shadow_attention)
 
 
-def masked_forward_logits(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, backend: str = "sdpa",
-                          **extra) -> torch.Tensor:
-    """Logits of a right-padded batch [B, T]. With evict_at ([L, B, H, T]) the shadow mask is replayed;
-    with None this is the dense (full-context, causal) forward of the same weights."""
-    B, T = input_ids.shape
-    position_ids = torch.arange(T).unsqueeze(0).expand(B, T)
-    if evict_at is None:
-        # Causal attention; right padding never affects earlier (real) positions.
-        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = SHADOW_ATTENTION
-    try:
-        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                     smd_evict_at=evict_at, smd_backend=backend, **extra).logits
-    finally:
-        model.config._attn_implementation = previous
-
-
-def response_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, prompt_lens: list[int], resp_lens: list[int],
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-response-token log-probs [B, R_max] (and a validity mask) of the sampling distribution."""
-    B = input_ids.shape[0]
-    R = max(resp_lens)
-    idx = torch.zeros(B, R, dtype=torch.long)
-    valid = torch.zeros(B, R, dtype=torch.bool)
-    for b in range(B):
-        idx[b, : resp_lens[b]] = torch.arange(resp_lens[b]) + prompt_lens[b] - 1
-        valid[b, : resp_lens[b]] = True
-    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
-    logp = torch.log_softmax(sel / temperature, dim=-1)
-    targets = torch.gather(input_ids, 1, (idx + 1).clamp(max=input_ids.shape[1] - 1))
-    out = logp.gather(-1, targets.unsqueeze(-1))[..., 0]
-    return out.masked_fill(~valid, 0.0), valid
-
-
 def response_index(prompt_lens: list[int], resp_lens: list[int], offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [B, R_max] whose logits predict each response token (P_b - 1 + t, minus `offset`), and validity."""
     B, R = len(prompt_lens), max(max(resp_lens), 1)

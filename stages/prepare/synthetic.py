@@ -81,10 +81,6 @@ def spread(rng: random.Random, head: str, facts: list[str], tail: str, context_t
     return " ".join([head, *body, tail])
 
 
-def _number(rng: random.Random, digits: int) -> int:
-    return rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits)
-
-
 def kv_retrieval(rng: random.Random, p: PrepareParams, context_tokens: int) -> tuple[str, str]:
     keys = rng.sample(KEY_WORDS, p.num_pairs)
     low = 10 ** (p.value_digits - 1) if p.value_digits > 1 else 0
