@@ -41,6 +41,7 @@ COMMAND_MODULES = [
     "cli.bench",
     "cli.progress",
     "cli.params_cmd",
+    "cli.iterations",
 ]
 
 for _name in COMMAND_MODULES:

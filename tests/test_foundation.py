@@ -7,11 +7,12 @@ import json
 import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
-from schemas.params import load_params
+from schemas.params import check_iterations_file, iterations_yaml, load_params
 from schemas.tables import SCHEMA_VERSION, read_table, write_table
 from stages.model import load_policy
 
@@ -36,7 +37,22 @@ def test_params_yaml_in_repo_is_valid_and_complete():
 
     root = Path(__file__).resolve().parents[1]
     p = load_params(root / "params.yaml")
-    assert [item.n for item in p.pipeline.iterations.values()] == list(range(1, len(p.pipeline.iterations) + 1))
+    check_iterations_file(root / "iterations.yaml", p.pipeline.num_iterations)  # the committed chain is in sync
+
+
+def test_iterations_file_generated_from_the_count(tmp_path):
+    path = tmp_path / "iterations.yaml"
+    path.write_text(iterations_yaml(3))
+    items = yaml.safe_load(path.read_text())["iterations"]
+    assert items["1"] == {"n": 1, "id": "001", "policy": "artifacts/warmstart/policy"}
+    assert items["3"] == {"n": 3, "id": "003", "policy": "artifacts/iter-002/policy"}
+    assert list(items) == ["1", "2", "3"]
+    check_iterations_file(path, 3)
+    with pytest.raises(SmdInputError, match=r"iterations.yaml: iterations: lists 3 iteration\(s\), params "
+                                            r"pipeline.num_iterations is 5; run `smdctl iterations`"):
+        check_iterations_file(path, 5)
+    with pytest.raises(SmdInputError, match="pipeline.num_iterations"):
+        load_params(None, ["pipeline.num_iterations=0"])
 
 
 def test_prompts_table_round_trip_with_pandas(tmp_path):

@@ -24,7 +24,9 @@ from stages.learner.objectives import (
     reference_kl,
     sparse_rl_rejection,
     tis_weights,
+    token_entropy,
     token_logprobs,
+    zero_advantage_group_fraction,
 )
 
 LN = math.log
@@ -461,3 +463,25 @@ def test_learner_params_defaults_and_unknown_key():
     )
     with pytest.raises(ValidationError):
         LearnerParams(kl_lamda=0.2)
+
+
+def test_token_entropy_by_hand():
+    # p = softmax([ln 1, ln 1, ln 2]) = [1/4, 1/4, 1/2]: H = 2 * (1/4) ln 4 + (1/2) ln 2 = 1.5 ln 2
+    logits = torch.log(torch.tensor([[[1.0, 1.0, 2.0], [1.0, 1.0, 1.0]]]))
+    h = token_entropy(logits)
+    assert h.shape == (1, 2)
+    assert torch.allclose(h, torch.tensor([[1.5 * math.log(2), math.log(3)]]), atol=1e-6)
+    # temperature 2 on logits [0, 2 ln 3]: softmax([0, ln 3]) = [1/4, 3/4]
+    h2 = token_entropy(torch.tensor([[[0.0, 2 * math.log(3)]]]), temperature=2.0)
+    want = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert abs(float(h2) - want) < 1e-6
+
+
+def test_zero_advantage_group_fraction_by_hand():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.2])
+    groups = torch.tensor([7, 7, 3, 3, 9, 9, 4])  # 7: equal, 3: differ, 9: equal, 4: singleton (no contrast)
+    assert zero_advantage_group_fraction(rewards, groups) == 0.75
+    assert zero_advantage_group_fraction(torch.zeros(0), torch.zeros(0, dtype=torch.long)) == 0.0
+    # consistent with group_advantages: all-equal groups get exactly zero advantage
+    adv = group_advantages(rewards, groups)
+    assert (adv[[0, 1, 4, 5, 6]] == 0).all() and (adv[[2, 3]] != 0).all()

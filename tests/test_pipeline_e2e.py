@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from schemas.mask_store import open_mask_store, read_mask_rows
-from schemas.params import default_chain, load_params
+from schemas.params import iterations_yaml, load_params
 from schemas.tables import read_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ MICRO = {
                 "shard_rows": 4, "eviction": {"policy": "snapkv", "keep_ratio": 0.5, "sinks": 2, "window": 4}},
     "learner": {"objective": "smd", "micro_batch_size": 3},
     "evaluate": {"max_new_tokens": 5, "batch_size": 4},
-    "pipeline": {"iterations": {k: v.model_dump() for k, v in default_chain(2).items()}},
+    "pipeline": {"num_iterations": 2},
 }
 
 
@@ -50,6 +50,7 @@ def _project(tmp_path: Path) -> Path:
     params = load_params(None, None).model_dump()
     _merge(params, MICRO)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (proj / "iterations.yaml").write_text(iterations_yaml(params["pipeline"]["num_iterations"]))
     _run(["dvc", "init", "--no-scm", "-q"], proj)
     return proj
 

@@ -36,6 +36,7 @@ class LearnerData:
     rewards: np.ndarray
     advantages: np.ndarray
     mask_rows: np.ndarray
+    groups: np.ndarray  # [N] int64 GRPO group of each row (one per prompt_id)
     store: MaskStore | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -124,6 +125,7 @@ def load_learner_data(
         rewards=rewards,
         advantages=adv.numpy(),
         mask_rows=np.asarray(cols["mask_row"], dtype=np.int64),
+        groups=group.astype(np.int64),
     )
     if need_masks:
         if masks_path is None:

@@ -43,6 +43,8 @@ __all__ = [
     "sparse_rl_rejection",
     "objective_loss",
     "objective_kwargs",
+    "token_entropy",
+    "zero_advantage_group_fraction",
 ]
 
 # exp() of a log-ratio beyond this overflows float32 soon after; verl clamps at the same value.
@@ -96,6 +98,30 @@ def aggregate(values: Tensor, mask: Tensor, loss_agg: str = "token_mean") -> Ten
     if loss_agg == "seq_mean_token_mean":
         per_seq = per_seq / tokens.clamp(min=1)
     return per_seq.sum() / n_seq
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of the sampling distribution softmax(logits / temperature) per position, `[B, T, V] -> [B, T]`
+    (float32, nats): -sum_v p(v) log p(v). The policy-entropy diagnostic of verl/TRL (`actor/entropy`)."""
+    if temperature <= 0:
+        raise SmdInputError(f"temperature must be > 0, got {temperature}")
+    logp = torch.log_softmax(logits.detach().float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def zero_advantage_group_fraction(rewards: Tensor, group_ids: Tensor) -> float:
+    """Fraction of GRPO groups whose rewards are all equal (their advantages are 0: no learning signal).
+
+    `rewards [N]`, `group_ids [N]` any integer labels. A group of one counts as all-equal. 0 groups -> 0.
+    """
+    if rewards.numel() == 0:
+        return 0.0
+    inverse = torch.unique(group_ids, return_inverse=True)[1]
+    n_groups = int(inverse.max()) + 1
+    r = rewards.detach().double()
+    gmax = torch.full((n_groups,), -math.inf, dtype=torch.float64).scatter_reduce_(0, inverse, r, "amax")
+    gmin = torch.full((n_groups,), math.inf, dtype=torch.float64).scatter_reduce_(0, inverse, r, "amin")
+    return float((gmax == gmin).double().mean())
 
 
 # ------------------------------------------------------------------------------------------- advantages

@@ -55,7 +55,14 @@ from stages.learner.engine import (
     save_trainer_state,
 )
 from stages.learner.metrics import check_finite, mismatch_metrics
-from stages.learner.objectives import objective_kwargs, objective_loss, sparse_rl_rejection, token_logprobs
+from stages.learner.objectives import (
+    objective_kwargs,
+    objective_loss,
+    sparse_rl_rejection,
+    token_entropy,
+    token_logprobs,
+    zero_advantage_group_fraction,
+)
 from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
 from stages.model import load_policy, load_tokenizer
 
@@ -211,9 +218,11 @@ class StepStats:
         self.logp: dict[int, np.ndarray] = {}
         self.dense_logp: dict[int, np.ndarray] = {}
         self.tokens = 0
+        self.entropy_sum = 0.0
+        self.response_tokens = 0
 
     def add(self, terms: dict[str, float], weight: float, mb: MicroBatch, logp: torch.Tensor,
-            dense_logp: torch.Tensor | None) -> None:
+            dense_logp: torch.Tensor | None, entropy: torch.Tensor) -> None:
         for key in self.SUMMED:
             if key in terms:
                 self.weighted[key] = self.weighted.get(key, 0.0) + weight * terms[key]
@@ -228,19 +237,25 @@ class StepStats:
             if dl is not None:
                 self.dense_logp[r] = dl[b, :n].numpy().copy()
         self.tokens += sum(mb.prompt_lens) + sum(mb.resp_lens)
+        self.entropy_sum += float(entropy[mb.valid].sum())
+        self.response_tokens += int(mb.valid.sum())
 
     def reduce(self, ctx: DistContext, data: LearnerData, rows: list[int]) -> dict[str, float]:
-        parts = _gather((self.weighted, self.ratio_min, self.ratio_max, self.logp, self.dense_logp, self.tokens), ctx)
+        parts = _gather((self.weighted, self.ratio_min, self.ratio_max, self.logp, self.dense_logp, self.tokens,
+                         self.entropy_sum, self.response_tokens), ctx)
         weighted: dict[str, float] = {}
         logp: dict[int, np.ndarray] = {}
         dense: dict[int, np.ndarray] = {}
-        rmin, rmax, tokens = math.inf, -math.inf, 0
-        for w, lo, hi, lp, dl, tok in parts:
+        rmin, rmax, tokens, ent_sum, resp_tokens = math.inf, -math.inf, 0, 0.0, 0
+        for w, lo, hi, lp, dl, tok, es, rt in parts:
             for k, v in w.items():
                 weighted[k] = weighted.get(k, 0.0) + v
             rmin, rmax, tokens = min(rmin, lo), max(rmax, hi), tokens + tok
+            ent_sum, resp_tokens = ent_sum + es, resp_tokens + rt
             logp.update(lp)
             dense.update(dl)
+        step_rewards = torch.from_numpy(data.rewards[rows])
+        in_groups = np.isin(data.groups, data.groups[rows])
         out = {
             "loss/pg": weighted.get("pg_loss", 0.0),
             "loss/kl_dense": weighted.get("kl_dense", 0.0),
@@ -252,6 +267,12 @@ class StepStats:
             "pg/ratio_max": rmax if math.isfinite(rmax) else 1.0,
             "pg/approx_kl": weighted.get("pg/approx_kl", 0.0),
             "tokens": float(tokens),
+            "policy/entropy": ent_sum / max(resp_tokens, 1),
+            "reward/mean": float(step_rewards.mean()),
+            "reward/std": float(step_rewards.std(unbiased=False)),
+            # over the step's groups, judged on all their rows (a mini-batch may hold part of a group)
+            "batch/zero_adv_group_frac": zero_advantage_group_fraction(
+                torch.from_numpy(data.rewards[in_groups]), torch.from_numpy(data.groups[in_groups])),
         }
         if "is_weight/mean" in weighted:
             out["is_weight/mean"] = weighted["is_weight/mean"]
@@ -413,7 +434,7 @@ def learn(
             engine.backward(loss * (weight * ctx.world), scale_wrt_gas=False)
             engine.step()
             if real:
-                stats.add(terms, weight, mb, logp, dense_logp)
+                stats.add(terms, weight, mb, logp, dense_logp, token_entropy(sel, temperature))
         global_step += 1
         grad_norm = engine.get_global_grad_norm()
         record = stats.reduce(ctx, data, step.rows)
@@ -492,7 +513,7 @@ def _summary(params: Params, iteration: int, data: LearnerData, parity: dict[str
     if cfg.objective == "sparse_rl":
         out["rejection/seq_fraction"] = rejected
     keys = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total", "pg/clipfrac", "pg/ratio_mean", "pg/approx_kl",
-            "grad_norm", "is_weight/mean")
+            "grad_norm", "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
     for key in keys:
         values = [s[key] for s in series if key in s and math.isfinite(s[key])]
         if values:
