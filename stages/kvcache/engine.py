@@ -156,72 +156,94 @@ def _attend_grouped(query, key, value, mask, scaling, num_kv_heads, sum_queries:
 def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`smd_rollout` attention: masked attention over the evicting cache, then score and evict."""
     st: RolloutState = kwargs["smd_rollout_state"]
-    layer = module.layer_idx
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if st.phase == "prefill":
+        out = prefill_attention(st, module.layer_idx, query, key, value, scaling, kwargs["smd_rollout_cache"])
+    else:
+        out = decode_attention(st, module.layer_idx, query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: float, cache: EvictingCache):
+    """Dense attention over the prompt; then the policy scores the prompt keys, the budget evicts, and the kept
+    keys move into the layer's slots. Returns the attention output [B, Hq, P, D]."""
+    out, attn_obs = _prefill_output(st, query, key, value, scaling)
+    slots = _prompt_slots(st.prompt_lens, key.shape[1], st.prefill_mask.shape[-1])
+    st.policy.observe_prefill(layer, slots, attn_obs)
+    if st.policy.evicts:
+        keep = st.keep_after(st.prompt_lens)
+        evict(slots, st.policy.scores(layer, slots), keep, st.prompt_lens - 1, st.eviction["sinks"],
+              st.eviction["window"], st.evict_at[layer])
+    st.slots[layer], order = _front_slots(slots, st.capacity)
+    cache.layers[layer].finish_prefill(order)
+    return out
+
+
+def _prefill_output(st: RolloutState, query, key, value, scaling: float):
+    """The prompt's attention output, and the attention the policy observes (None, last-window or all queries)."""
+    mask = st.prefill_mask  # [B, 1, P, P]
+    B, _, P, _ = mask.shape
+    H = key.shape[1]
+    need = st.policy.needs_attention
+    if need == "all":
+        # Output and column sums from one explicit pass, chunked over queries to bound memory.
+        attn_obs = query.new_zeros(B, H, 1, P, dtype=torch.float32)
+        out = torch.empty_like(query)
+        for start in range(0, P, _PREFILL_CHUNK):
+            end = min(start + _PREFILL_CHUNK, P)  # causal: keys beyond the chunk get no attention
+            part_out, part = _attend_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
+                                             mask[:, :, start:end, :end], scaling, H, sum_queries=True)
+            out[:, :, start:end] = part_out
+            attn_obs[..., :end] += part
+        return out, attn_obs
+    groups = query.shape[1] // H
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    if need == "window":
+        w = min(st.eviction["window"], P)
+        return out, _attend_grouped(query[:, :, -w:], key, None, mask[:, :, -w:], scaling, H)[1]
+    return out, None
+
+
+def _prompt_slots(prompt_lens: torch.Tensor, num_kv_heads: int, P: int) -> LayerSlots:
+    """One slot per prompt position of the left-padded batch (-1 for padding), for every KV head."""
+    pad = P - prompt_lens
+    pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)  # [B, P]
+    slot_pos = pos.masked_fill(pos < 0, -1).unsqueeze(1).expand(len(prompt_lens), num_kv_heads, P).clone()
+    return LayerSlots(slot_pos=slot_pos)
+
+
+def _front_slots(slots: LayerSlots, capacity: int) -> tuple[LayerSlots, torch.Tensor]:
+    """Move valid slots to the front and keep the first `capacity` (padding with empty slots when the prompt is
+    shorter); returns the new slots and the prompt index each slot takes its key from [B, H, capacity]."""
+    valid = slots.slot_pos >= 0
+    order = torch.argsort(valid.to(torch.int8), dim=-1, descending=True, stable=True)[..., :capacity]
+    fill = None
+    if order.shape[-1] < capacity:  # capacity larger than the prompt: pad with empty slots
+        extra = capacity - order.shape[-1]
+        order = torch.cat([order, order[..., :1].expand(-1, -1, extra)], dim=-1)
+        fill = torch.zeros(order.shape, dtype=torch.bool)
+        fill[..., -extra:] = True
+    new_pos = torch.gather(slots.slot_pos, -1, order)
+    if fill is not None:
+        new_pos = new_pos.masked_fill(fill, -1)
+    extras = {}
+    for name, t in slots.extra.items():
+        idx = order.view(*order.shape, *([1] * (t.dim() - 3))).expand(*order.shape, *t.shape[3:])
+        g = torch.gather(t, 2, idx)
+        if fill is not None:
+            g[fill] = 0
+        extras[name] = g
+    return LayerSlots(slot_pos=new_pos, extra=extras), order
+
+
+def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: float):
+    """One query per sequence over the layer's slots (the new key already inserted); then evict down to the
+    step's keep count. Returns the attention output [B, Hq, 1, D]."""
+    slots = st.slots[layer]
     H = key.shape[1]
     groups = query.shape[1] // H
-    need = st.policy.needs_attention
-
-    if st.phase == "prefill":
-        mask = st.prefill_mask  # [B, 1, P, P]
-        B, _, P, _ = mask.shape
-        attn_obs = None
-        if need == "all":
-            # Output and column sums from one explicit pass, chunked over queries to bound memory.
-            attn_obs = query.new_zeros(B, H, 1, P, dtype=torch.float32)
-            out = torch.empty_like(query)
-            for start in range(0, P, _PREFILL_CHUNK):
-                end = min(start + _PREFILL_CHUNK, P)  # causal: keys beyond the chunk get no attention
-                part_out, part = _attend_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
-                                                 mask[:, :, start:end, :end], scaling, H, sum_queries=True)
-                out[:, :, start:end] = part_out
-                attn_obs[..., :end] += part
-        else:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                 enable_gqa=groups > 1)
-        if need == "window":
-            w = min(st.eviction["window"], P)
-            attn_obs = _attend_grouped(query[:, :, -w:], key, None, mask[:, :, -w:], scaling, H)[1]
-        # Slots = the prompt positions (-1 for left padding).
-        pad = P - st.prompt_lens
-        pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)  # [B, P]
-        slot_pos = pos.masked_fill(pos < 0, -1).unsqueeze(1).expand(B, H, P).clone()
-        slots = LayerSlots(slot_pos=slot_pos)
-        st.policy.observe_prefill(layer, slots, attn_obs)
-        current = st.prompt_lens - 1
-        if st.policy.evicts:
-            keep = st.keep_after(st.prompt_lens)
-            sc = st.policy.scores(layer, slots)
-            evict(slots, sc, keep, current, st.eviction["sinks"], st.eviction["window"], st.evict_at[layer])
-        # Move valid slots to the front, then keep the first `capacity`.
-        valid = slots.slot_pos >= 0
-        order = torch.argsort(valid.to(torch.int8), dim=-1, descending=True, stable=True)[..., : st.capacity]
-        if order.shape[-1] < st.capacity:  # capacity larger than the prompt: pad with empty slots
-            extra = st.capacity - order.shape[-1]
-            order = torch.cat([order, order[..., :1].expand(-1, -1, extra)], dim=-1)
-            fill = torch.zeros(order.shape, dtype=torch.bool)
-            fill[..., -extra:] = True
-        else:
-            fill = None
-        new_pos = torch.gather(slots.slot_pos, -1, order)
-        if fill is not None:
-            new_pos = new_pos.masked_fill(fill, -1)
-        extras = {}
-        for name, t in slots.extra.items():
-            idx = order.view(*order.shape, *([1] * (t.dim() - 3))).expand(*order.shape, *t.shape[3:])
-            g = torch.gather(t, 2, idx)
-            if fill is not None:
-                g[fill] = 0
-            extras[name] = g
-        st.slots[layer] = LayerSlots(slot_pos=new_pos, extra=extras)
-        module_cache_layer = kwargs["smd_rollout_cache"].layers[layer]
-        module_cache_layer.finish_prefill(order)
-        return out.transpose(1, 2).contiguous(), None
-
-    # Decode: one query per sequence over the slots.
-    slots = st.slots[layer]
     valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
-    if need != "none":
+    if st.policy.needs_attention != "none":
         out, probs = _attend_grouped(query, key, value, valid, scaling, H)
         st.policy.observe_decode(layer, slots, probs)
     else:
@@ -232,7 +254,7 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         sc = st.policy.scores(layer, slots)
         evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.eviction["window"],
               st.evict_at[layer], at_most_one=st.step_excess <= 1)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 AttentionInterface.register(ROLLOUT_ATTENTION, rollout_attention)
@@ -292,93 +314,112 @@ def generate_batch(
     generator: torch.Generator | None = None,
 ) -> tuple[list[SampleResult], BatchStats]:
     """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks."""
+    state = new_state(model, prompts, eviction, max_new_tokens)
+    cache = EvictingCache(state)
+    kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
+    with attention_implementation(model, ROLLOUT_ATTENTION):
+        logits = prefill(model, prompts, state, cache, pad_token_id, kwargs)
+        responses, logprobs, finish = decode(model, logits, state, cache, kwargs, max_new_tokens, eos_token_id,
+                                             pad_token_id, temperature, top_k, top_p, generator)
+    return sample_results(state, responses, logprobs, finish), batch_stats(model, state, cache, max_new_tokens,
+                                                                           responses)
+
+
+def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int) -> RolloutState:
+    """The per-batch state: the policy, a cache capacity that fits the budget at the longest length, and
+    evict_at [L, B, H, P + max_new_tokens] all -1 (never evicted)."""
     cfg = model.config
     num_layers = cfg.num_hidden_layers
     num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     ev = eviction.model_dump()
-    B = len(prompts)
     lens = torch.tensor([len(p) for p in prompts])
-    P = int(lens.max())
-    T_max = P + max_new_tokens
-    capacity = max(budget(int(n) + max_new_tokens, ev) for n in lens.tolist())
-    state = RolloutState(
+    T_max = int(lens.max()) + max_new_tokens
+    return RolloutState(
         policy=make_policy(eviction, num_layers),
         eviction=ev,
         num_layers=num_layers,
-        capacity=capacity,
+        capacity=max(budget(int(n) + max_new_tokens, ev) for n in lens.tolist()),
         prompt_lens=lens,
-        evict_at=torch.full((num_layers, B, num_kv, T_max), -1, dtype=torch.int32),
+        evict_at=torch.full((num_layers, len(prompts), num_kv, T_max), -1, dtype=torch.int32),
         slots=[None] * num_layers,
     )
-    cache = EvictingCache(state)
 
-    input_ids = torch.full((B, P), pad_token_id, dtype=torch.long)
+
+def prefill(model, prompts: list[list[int]], state: RolloutState, cache: EvictingCache, pad_token_id: int,
+            kwargs: dict[str, Any]) -> torch.Tensor:
+    """Run the left-padded prompts (dense causal attention, then the first eviction); return the logits
+    [B, 1, V] of the first response token."""
+    lens = state.prompt_lens
+    P = int(lens.max())
+    input_ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
     for i, p in enumerate(prompts):
         input_ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-    pad = P - lens
-    pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)
-    key_valid = pos >= 0
+    pos = torch.arange(P).unsqueeze(0) - (P - lens).unsqueeze(1)
     causal = torch.ones(P, P, dtype=torch.bool).tril()
-    mask = causal.unsqueeze(0) & key_valid.unsqueeze(1)
+    mask = causal.unsqueeze(0) & (pos >= 0).unsqueeze(1)
     mask = mask | torch.eye(P, dtype=torch.bool).unsqueeze(0)  # padding queries see themselves (finite softmax)
     state.prefill_mask = mask.unsqueeze(1)
-    position_ids = pos.clamp(min=0)
+    out = model(input_ids=input_ids, position_ids=pos.clamp(min=0), cache=cache, use_cache=True, logits_to_keep=1,
+                **kwargs)
+    state.phase = "decode"
+    return out.logits
 
-    kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
-    responses = [[] for _ in range(B)]
-    logprobs = [[] for _ in range(B)]
+
+def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCache, kwargs: dict[str, Any],
+           max_new_tokens: int, eos_token_id: int | None, pad_token_id: int, temperature: float, top_k: int,
+           top_p: float, generator: torch.Generator | None):
+    """Sample token by token until every sequence stopped or max_new_tokens; each step feeds the sampled token
+    at its original position and evicts down to the budget. Returns per-sequence tokens, log-probs and
+    finish reasons ("stop" at EOS, else "length")."""
+    lens = state.prompt_lens
+    B = len(lens)
+    responses: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
     finish = ["length"] * B
-    with attention_implementation(model, ROLLOUT_ATTENTION):
-        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                    logits_to_keep=1, **kwargs)
-        state.phase = "decode"
-        # Keys each sequence holds per (layer, KV head): every layer and head inserts one key per step and
-        # evicts down to the same keep count, so one number per sequence tracks them all.
-        cached = lens.tolist()
-        if state.policy.evicts:  # prefill evicted every layer and head down to the same count
-            cached = [min(n, k) for n, k in zip(cached, state.keep_after(lens).tolist(), strict=True)]
-        for step in range(max_new_tokens):
-            tok, lp = _sample(out.logits[:, -1], temperature, top_k, top_p, generator)
-            for i in range(B):
-                if not done[i]:
-                    responses[i].append(int(tok[i]))
-                    logprobs[i].append(float(lp[i]))
-                    if eos_token_id is not None and int(tok[i]) == eos_token_id:
-                        done[i] = True
-                        finish[i] = "stop"
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            state.current_pos = lens + step
-            state.step_keep = state.keep_after(state.current_pos + 1)
-            cached = [n + 1 for n in cached]  # this step's key, in every layer and head
-            if state.policy.evicts:
-                keep = state.step_keep.tolist()
-                state.step_excess = max(n - k for n, k in zip(cached, keep, strict=True))
-                cached = [min(n, k) for n, k in zip(cached, keep, strict=True)]
-            feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
-            out = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
-                        use_cache=True, **kwargs)
+    # Keys each sequence holds per (layer, KV head): every layer and head inserts one key per step and
+    # evicts down to the same keep count, so one number per sequence tracks them all.
+    cached = lens.tolist()
+    if state.policy.evicts:  # prefill evicted every layer and head down to the same count
+        cached = [min(n, k) for n, k in zip(cached, state.keep_after(lens).tolist(), strict=True)]
+    for step in range(max_new_tokens):
+        tok, lp = _sample(logits[:, -1], temperature, top_k, top_p, generator)
+        for i in range(B):
+            if not done[i]:
+                responses[i].append(int(tok[i]))
+                logprobs[i].append(float(lp[i]))
+                if eos_token_id is not None and int(tok[i]) == eos_token_id:
+                    done[i] = True
+                    finish[i] = "stop"
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        state.current_pos = lens + step
+        state.step_keep = state.keep_after(state.current_pos + 1)
+        cached = [n + 1 for n in cached]  # this step's key, in every layer and head
+        if state.policy.evicts:
+            keep = state.step_keep.tolist()
+            state.step_excess = max(n - k for n, k in zip(cached, keep, strict=True))
+            cached = [min(n, k) for n, k in zip(cached, keep, strict=True)]
+        feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
+        logits = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
+                       use_cache=True, **kwargs).logits
+    return responses, logprobs, finish
 
-    itemsize = next(model.parameters()).element_size()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dense_capacity = P + max_new_tokens
-    stats = BatchStats(
-        cache_bytes=cache.nbytes(),
-        dense_cache_bytes=2 * num_layers * B * num_kv * dense_capacity * head_dim * itemsize,
-        generated_tokens=sum(len(r) for r in responses),
-    )
+
+def sample_results(state: RolloutState, responses: list[list[int]], logprobs: list[list[float]],
+                   finish: list[str]) -> list[SampleResult]:
+    """Per sequence: the response, and evict_at [T, L, H] of its unpadded row (sentinel T = never evicted)."""
     results = []
     ev_np = state.evict_at.numpy()
-    for i in range(B):
-        P_i, R_i = int(lens[i]), len(responses[i])
+    for i, (P_i, response) in enumerate(zip(state.prompt_lens.tolist(), responses, strict=True)):
+        R_i = len(response)
         T = P_i + R_i
         e = ev_np[:, i, :, :T].transpose(2, 0, 1).astype(np.int64)  # [T, L, H]
         e = np.where((e < 0) | (e > T), T, e).astype(np.int32)
         counts = visible_counts(e)[P_i:] if R_i else np.zeros((1,), dtype=np.int64)
         results.append(
             SampleResult(
-                response_ids=responses[i],
+                response_ids=response,
                 logprobs=logprobs[i],
                 finish_reason=finish[i],
                 prompt_len=P_i,
@@ -387,4 +428,19 @@ def generate_batch(
                 kv_dense_tokens=T,
             )
         )
-    return results, stats
+    return results
+
+
+def batch_stats(model, state: RolloutState, cache: EvictingCache, max_new_tokens: int,
+                responses: list[list[int]]) -> BatchStats:
+    """Bytes of the evicting cache against a dense cache of the same batch."""
+    cfg = model.config
+    num_kv = state.evict_at.shape[2]
+    itemsize = next(model.parameters()).element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dense_capacity = int(state.prompt_lens.max()) + max_new_tokens
+    return BatchStats(
+        cache_bytes=cache.nbytes(),
+        dense_cache_bytes=2 * state.num_layers * len(responses) * num_kv * dense_capacity * head_dim * itemsize,
+        generated_tokens=sum(len(r) for r in responses),
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,9 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas import rewards
 from schemas.atomic import atomic_path
 from schemas.masks import write_raw_masks
-from schemas.params import Params
+from schemas.params import EvictionParams, Params, RolloutParams
 from schemas.tables import read_table, write_table
-from stages.kvcache.engine import generate_batch
+from stages.kvcache.engine import SampleResult, generate_batch
 from stages.model import check_positions, load_policy, load_tokenizer
 
 
@@ -34,25 +35,45 @@ def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int) -> 
 
 def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path,
             out_dir: str | Path, show_progress: bool = True) -> dict[str, Path]:
+    """Sample `group_size` responses for each of the iteration's prompts; write trajectories, raw masks, metrics."""
     cfg = params.rollout
     prompts = read_table(prompts_path, "prompts").to_pylist()
     model = load_policy(policy_path, params.model.dtype)
     tokenizer = load_tokenizer(policy_path)
-    picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration)
+    jobs = group_jobs(prompts, select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration),
+                      cfg.group_size, model, cfg.max_new_tokens, prompts_path)
+    torch.manual_seed(params.seed * 1_000_003 + iteration)
+    generator = torch.Generator().manual_seed(params.seed * 1_000_003 + iteration)
+    t0 = time.perf_counter()
+    samples = generate(model, tokenizer, prompts, jobs, cfg, generator, show_progress)
+    seconds = time.perf_counter() - t0
+    rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row)
+            for mask_row, ((i, g), res, text) in enumerate(samples)]
+    shards = shard_masks([(res.evict_at, res.prompt_len) for _, res, _ in samples], cfg.shard_rows)
+    metrics = rollout_metrics(rows, iteration, seconds)
+    config = {"rollout": cfg.model_dump(), "seed": params.seed, "iteration": iteration, "policy": str(policy_path)}
+    num_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    return write_rollout(out_dir, rows, shards, metrics, config, model.config.num_hidden_layers, num_kv,
+                         cfg.eviction.model_dump())
+
+
+def group_jobs(prompts: list[dict[str, Any]], picked: list[int], group_size: int, model, max_new_tokens: int,
+               source: str | Path) -> list[tuple[int, int]]:
+    """(prompt index, group index) of every response to sample, after checking the longest prompt fits."""
     longest = max(sorted(set(picked)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
     n = len(prompts[longest]["prompt_token_ids"])
-    check_positions(model, n + cfg.max_new_tokens,
-                    f"{prompts_path}: prompt_token_ids: prompt {prompts[longest]['prompt_id']} has {n} tokens; with "
-                    f"max_new_tokens={cfg.max_new_tokens} it")
-    jobs = [(i, g) for i in picked for g in range(cfg.group_size)]
-    generator = torch.Generator().manual_seed(params.seed * 1_000_003 + iteration)
-    torch.manual_seed(params.seed * 1_000_003 + iteration)
+    check_positions(model, n + max_new_tokens,
+                    f"{source}: prompt_token_ids: prompt {prompts[longest]['prompt_id']} has {n} tokens; with "
+                    f"max_new_tokens={max_new_tokens} it")
+    return [(i, g) for i in picked for g in range(group_size)]
+
+
+def generate(model, tokenizer, prompts: list[dict[str, Any]], jobs: list[tuple[int, int]], cfg: RolloutParams,
+             generator: torch.Generator, show_progress: bool) -> list[tuple[tuple[int, int], SampleResult, str]]:
+    """Sample every job in batches of `cfg.batch_size` with the evicting cache: (job, result, decoded text)."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    num_layers = model.config.num_hidden_layers
-    num_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-
-    rows, masks = [], []
+    samples = []
     gen_tokens, t0 = 0, time.perf_counter()
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[rate]}"), disable=not show_progress, transient=False)
@@ -63,37 +84,42 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
             ids = [list(prompts[i]["prompt_token_ids"]) for i, _ in batch]
             results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
                                         cfg.top_k, cfg.top_p, generator)
-            for (i, g), res in zip(batch, results):
-                p = prompts[i]
-                resp = res.response_ids
-                text = tokenizer.decode([t for t in resp if t != eos], skip_special_tokens=True)
-                reward = rewards.score(p["task"], text, p["reference"])
-                rows.append({
-                    "trajectory_id": f"it{iteration:03d}-{p['prompt_id']}-g{g}",
-                    "prompt_id": p["prompt_id"],
-                    "group_index": g,
-                    "iteration": iteration,
-                    "task": p["task"],
-                    "prompt_token_ids": ids[batch.index((i, g))],
-                    "response_token_ids": resp,
-                    "response_text": text,
-                    "rollout_logprobs": res.logprobs,
-                    "reward": float(reward),
-                    "finish_reason": res.finish_reason,
-                    "eviction_policy": cfg.eviction.policy,
-                    "keep_ratio": cfg.eviction.keep_ratio,
-                    "max_tokens": cfg.eviction.max_tokens,
-                    "kv_peak_tokens": res.kv_peak_tokens,
-                    "kv_dense_tokens": res.kv_dense_tokens,
-                    "mask_row": len(rows),
-                })
-                masks.append((res.evict_at, res.prompt_len))
-                gen_tokens += len(resp)
+            for job, res in zip(batch, results):
+                text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
+                samples.append((job, res, text))
+                gen_tokens += len(res.response_ids)
             elapsed = time.perf_counter() - t0
             progress.update(bar, advance=len(batch), rate=f"{gen_tokens / max(elapsed, 1e-9):.0f} tok/s")
-    elapsed = time.perf_counter() - t0
+    return samples
 
-    shard_rows = cfg.shard_rows or len(masks)
+
+def trajectory_row(prompt: dict[str, Any], group_index: int, iteration: int, res: SampleResult, text: str,
+                   eviction: EvictionParams, mask_row: int) -> dict[str, Any]:
+    """One row of the trajectory table (schemas.tables TRAJECTORIES_SCHEMA), scored with the task's reward."""
+    return {
+        "trajectory_id": f"it{iteration:03d}-{prompt['prompt_id']}-g{group_index}",
+        "prompt_id": prompt["prompt_id"],
+        "group_index": group_index,
+        "iteration": iteration,
+        "task": prompt["task"],
+        "prompt_token_ids": list(prompt["prompt_token_ids"]),
+        "response_token_ids": res.response_ids,
+        "response_text": text,
+        "rollout_logprobs": res.logprobs,
+        "reward": float(rewards.score(prompt["task"], text, prompt["reference"])),
+        "finish_reason": res.finish_reason,
+        "eviction_policy": eviction.policy,
+        "keep_ratio": eviction.keep_ratio,
+        "max_tokens": eviction.max_tokens,
+        "kv_peak_tokens": res.kv_peak_tokens,
+        "kv_dense_tokens": res.kv_dense_tokens,
+        "mask_row": mask_row,
+    }
+
+
+def shard_masks(masks: list[tuple[np.ndarray, int]], shard_rows: int) -> list[dict[str, np.ndarray]]:
+    """Raw-store shards of `shard_rows` rows each (0 = one shard) from (evict_at [T, L, H], prompt length)."""
+    shard_rows = shard_rows or len(masks)
     shards = []
     for s in range(0, len(masks), shard_rows):
         part = masks[s: s + shard_rows]
@@ -104,28 +130,39 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
             "mask_row": np.arange(s, s + len(part), dtype=np.int64),
             "prompt_len": np.array([pl for _, pl in part], dtype=np.int32),
         })
+    return shards
+
+
+def rollout_metrics(rows: list[dict[str, Any]], iteration: int, seconds: float) -> dict[str, Any]:
+    """Reward, throughput and KV-cache figures of one rollout."""
     rewards_arr = np.array([r["reward"] for r in rows])
     peak = np.array([r["kv_peak_tokens"] for r in rows])
     dense = np.array([r["kv_dense_tokens"] for r in rows])
-    metrics = {
+    gen_tokens = sum(len(r["response_token_ids"]) for r in rows)
+    return {
         "iteration": iteration,
         "reward/mean": float(rewards_arr.mean()),
         "reward/std": float(rewards_arr.std()),
         "rollout/trajectories": len(rows),
         "rollout/generated_tokens": int(gen_tokens),
-        "rollout/tokens_per_s": float(gen_tokens / max(elapsed, 1e-9)),
-        "rollout/seconds": float(elapsed),
+        "rollout/tokens_per_s": float(gen_tokens / max(seconds, 1e-9)),
+        "rollout/seconds": float(seconds),
         "kv/peak_tokens_mean": float(peak.mean()),
         "kv/dense_tokens_mean": float(dense.mean()),
         "kv/kept_fraction": float(peak.sum() / dense.sum()),
         "response/length_mean": float(np.mean([len(r["response_token_ids"]) for r in rows])),
     }
-    config = {"rollout": cfg.model_dump(), "seed": params.seed, "iteration": iteration, "policy": str(policy_path)}
+
+
+def write_rollout(out_dir: str | Path, rows: list[dict[str, Any]], shards: list[dict[str, np.ndarray]],
+                  metrics: dict[str, Any], config: dict[str, Any], num_layers: int, num_kv_heads: int,
+                  eviction: dict[str, Any]) -> dict[str, Path]:
+    """Write the rollout directory atomically (all files or none)."""
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
-        write_raw_masks(tmp / "masks.raw.zarr", shards, num_layers, num_kv, cfg.eviction.model_dump())
+        write_raw_masks(tmp / "masks.raw.zarr", shards, num_layers, num_kv_heads, eviction)
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     return {
         "trajectories": out_dir / "trajectories.arrow",
