@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -158,27 +159,63 @@ def run_warmstart(
 
     Writes `out_dir/policy` (Hugging Face model + tokenizer) and `out_dir/metrics.json`.
     """
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    data_dir = Path(data_dir)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     train = read_table(data_dir / "train.arrow", "prompts").to_pylist()
     evaluation = read_table(data_dir / "eval.arrow", "prompts").to_pylist()
     tokenizer = load_tokenizer(model_cfg.init_path)
     model = load_policy(model_cfg.init_path, dtype=model_cfg.dtype)
-    task = train[0]["task"]
+    examples = Examples.build(train, tokenizer, cfg, model, data_dir / "train.arrow")
+    started = time.monotonic()
+    log = train_loop(model, tokenizer, examples, cfg, seed)
+    eval_started = time.monotonic()
+    ref_tokens = max(len(response_ids(tokenizer, r["reference"])) for r in evaluation)
+    result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, cfg.eval_max_new_tokens or ref_tokens + 4)
+    metrics = warmstart_metrics(train[0]["task"], result, log, len(examples.check), cfg.log_every, started,
+                                eval_started)
+    return write_warmstart(Path(out_dir), model, tokenizer, metrics)
 
-    prompts = [r["prompt_token_ids"] for r in train]
-    responses = [response_ids(tokenizer, r["reference"]) for r in train]
-    longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    check_positions(model, longest, f"{data_dir / 'train.arrow'}: prompt_token_ids: a sequence of {longest} tokens")
-    # Check rows: the longest train prompts (like the eval split's full-length ones), never trained on.
-    n_check = min(cfg.check_rows, len(train) // 4) if cfg.target_exact_match > 0 else 0
-    by_length = sorted(range(len(train)), key=lambda i: (-len(prompts[i]), i))
-    check_idx, train_idx = sorted(by_length[:n_check]), sorted(by_length[n_check:])
-    check = [train[i] for i in check_idx]
-    check_new = max((len(responses[i]) for i in check_idx), default=0) + 4
-    prompts, responses = [prompts[i] for i in train_idx], [responses[i] for i in train_idx]
 
+@dataclass
+class Examples:
+    """Train sequences (prompt ids, response ids) and the held-out check rows: the longest train prompts (like
+    the eval split's full-length ones), never trained on, with the new-token limit their checks decode."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    check: list[dict[str, Any]]
+    check_new_tokens: int
+
+    @classmethod
+    def build(cls, train: list[dict[str, Any]], tokenizer, cfg: WarmstartParams, model, source: Path) -> Examples:
+        prompts = [r["prompt_token_ids"] for r in train]
+        responses = [response_ids(tokenizer, r["reference"]) for r in train]
+        longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        check_positions(model, longest, f"{source}: prompt_token_ids: a sequence of {longest} tokens")
+        n_check = min(cfg.check_rows, len(train) // 4) if cfg.target_exact_match > 0 else 0
+        by_length = sorted(range(len(train)), key=lambda i: (-len(prompts[i]), i))
+        check_idx, train_idx = sorted(by_length[:n_check]), sorted(by_length[n_check:])
+        return cls(
+            prompts=[prompts[i] for i in train_idx],
+            responses=[responses[i] for i in train_idx],
+            check=[train[i] for i in check_idx],
+            check_new_tokens=max((len(responses[i]) for i in check_idx), default=0) + 4,
+        )
+
+
+@dataclass
+class TrainLog:
+    losses: list[float] = field(default_factory=list)
+    checks: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+    stop_reason: str | None = None
+    minutes: float = 0.0
+
+
+def train_loop(model, tokenizer, examples: Examples, cfg: WarmstartParams, seed: int) -> TrainLog:
+    """AdamW on the response loss with a length curriculum; stop at `steps`, `max_minutes`, or when the check
+    rows reach `target_exact_match` (checked every `check_every` steps)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(
@@ -186,7 +223,7 @@ def run_warmstart(
     )
     model.train()
     sampler = CurriculumSampler(
-        [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)],
+        [len(p) + len(r) for p, r in zip(examples.prompts, examples.responses, strict=True)],
         cfg.steps,
         cfg.batch_size,
         gen,
@@ -195,64 +232,73 @@ def run_warmstart(
         end=cfg.curriculum_end,
     )
     started = time.monotonic()
-    losses: list[float] = []
-    checks: list[dict[str, float]] = []
-    steps_done = 0
-    stop_reason = None
+    log = TrainLog()
     for step in range(cfg.steps):
         if cfg.max_minutes and time.monotonic() - started > cfg.max_minutes * 60:
-            stop_reason = "max_minutes"
+            log.stop_reason = "max_minutes"
             break
         idx = sampler.batch(step)
-        batch = _batch([prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        loss = response_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
-        steps_done = step + 1
-        if steps_done % cfg.log_every == 0 or steps_done == cfg.steps:
-            recent = losses[-cfg.log_every :]
+        batch = _batch([examples.prompts[i] for i in idx], [examples.responses[i] for i in idx], tokenizer.pad_token_id)
+        log.losses.append(train_step(model, optimizer, batch, _lr_at(step, cfg), cfg.max_grad_norm))
+        log.steps = step + 1
+        if log.steps % cfg.log_every == 0 or log.steps == cfg.steps:
+            recent = log.losses[-cfg.log_every :]
             elapsed = (time.monotonic() - started) / 60
             print(
-                f"warmstart step {steps_done}/{cfg.steps} loss {sum(recent) / len(recent):.4f} {elapsed:.2f} min",
+                f"warmstart step {log.steps}/{cfg.steps} loss {sum(recent) / len(recent):.4f} {elapsed:.2f} min",
                 file=sys.stderr,
                 flush=True,
             )
-        if check and steps_done % cfg.check_every == 0:
-            em = greedy_eval(model, tokenizer, check, cfg.eval_batch_size, check_new)["exact_match"]
+        if examples.check and log.steps % cfg.check_every == 0:
+            em = greedy_eval(model, tokenizer, examples.check, cfg.eval_batch_size, examples.check_new_tokens)[
+                "exact_match"
+            ]
             model.train()
-            checks.append({"step": steps_done, "exact_match": em})
-            print(f"warmstart step {steps_done} check exact_match {em:.3f}", file=sys.stderr, flush=True)
+            log.checks.append({"step": log.steps, "exact_match": em})
+            print(f"warmstart step {log.steps} check exact_match {em:.3f}", file=sys.stderr, flush=True)
             if em >= cfg.target_exact_match:
-                stop_reason = "target_exact_match"
+                log.stop_reason = "target_exact_match"
                 break
-    train_minutes = (time.monotonic() - started) / 60
+    log.minutes = (time.monotonic() - started) / 60
+    return log
 
-    ref_tokens = max(len(response_ids(tokenizer, r["reference"])) for r in evaluation)
-    max_new = cfg.eval_max_new_tokens or ref_tokens + 4
-    eval_started = time.monotonic()
-    result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, max_new)
-    tail = losses[-min(len(losses), cfg.log_every) :]
-    metrics = {
+
+def train_step(model, optimizer, batch: dict[str, torch.Tensor], lr: float, max_grad_norm: float) -> float:
+    """One AdamW step on the batch's response loss (gradient norm clipped); returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = response_loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return loss.item()
+
+
+def warmstart_metrics(task: str, result: dict[str, Any], log: TrainLog, check_rows: int, log_every: int,
+                      started: float, eval_started: float) -> dict[str, Any]:
+    """Held-out exact match and reward of the trained policy, and how training went."""
+    tail = log.losses[-min(len(log.losses), log_every) :]
+    return {
         "task": task,
         "metric": metric_name(task),
         "exact_match": result["exact_match"],
         "reward": result["reward"],
         "eval_rows": result["eval_rows"],
-        "steps": steps_done,
-        "stop_reason": stop_reason,
-        "check_rows": len(check),
-        "checks": checks,
+        "steps": log.steps,
+        "stop_reason": log.stop_reason,
+        "check_rows": check_rows,
+        "checks": log.checks,
         "final_loss": sum(tail) / len(tail) if tail else None,
-        "train_minutes": train_minutes,
+        "train_minutes": log.minutes,
         "eval_minutes": (time.monotonic() - eval_started) / 60,
         "minutes": (time.monotonic() - started) / 60,
         "samples": result["samples"],
     }
+
+
+def write_warmstart(out_dir: Path, model, tokenizer, metrics: dict[str, Any]) -> dict[str, Path]:
+    """Write the policy directory and the metrics, each atomically."""
     model.eval()
     written = {"policy": out_dir / "policy", "metrics": out_dir / "metrics.json"}
     with atomic_path(written["policy"]) as tmp:
