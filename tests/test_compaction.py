@@ -80,7 +80,10 @@ def test_round_trip_every_policy(tmp_path, policy):
 def test_metrics_and_retention(tmp_path):
     inp = _inputs(tmp_path, "snapkv")
     written = _compact(tmp_path, inp)
-    m = json.loads(Path(written["metrics"]).read_text())
+    m = json.loads(Path(written["details"]).read_text())
+    headline = json.loads(Path(written["metrics"]).read_text())
+    assert set(headline) == {"rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s"}
+    assert headline == {k: m[k] for k in headline}
     assert m["rows"] == len(LENGTHS) and m["tokens"] == sum(LENGTHS)
     assert m["bytes"]["raw_int32"] == sum(LENGTHS) * L * H * 4
     assert 0 < m["ratio_vs_dense_bitmask"] and m["tokens_per_s"] > 0
@@ -297,7 +300,7 @@ def test_failed_run_keeps_previous_output(tmp_path):
     with pytest.raises(SmdInputError):
         _compact(tmp_path, inp)
     assert _tree(written["masks"]) == before
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["masks.zarr", "metrics.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["details.json", "masks.zarr", "metrics.json"]
 
 
 # ---------------------------------------------------------------- CLI

@@ -14,6 +14,7 @@ from schemas import rewards
 from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.tables import PROMPTS_SCHEMA, SCHEMA_VERSION, read_table, write_table
+from stages.evaluate import stage as evaluate_stage
 from stages.evaluate.stage import evaluate
 from tests.helpers import make_model_dir, random_prompts
 
@@ -46,7 +47,7 @@ def snapkv_run(setup):
 
 def test_evaluate_writes_predictions_and_metrics(setup, snapkv_run):
     out = snapkv_run
-    assert set(out) == {"predictions", "metrics"}
+    assert set(out) == {"predictions", "metrics", "details"}
     read_table(out["predictions"], "eval_predictions")  # validates the contract
     df = pd.read_feather(out["predictions"])
     assert len(df) == 8
@@ -61,7 +62,9 @@ def test_evaluate_writes_predictions_and_metrics(setup, snapkv_run):
     assert (dense.kv_peak_tokens == dense.kv_dense_tokens).all()
     assert (comp.kv_peak_tokens < comp.kv_dense_tokens).all()  # 50% SnapKV really compressed
 
-    m = json.loads(out["metrics"].read_text())
+    headline = json.loads(out["metrics"].read_text())
+    m = json.loads(out["details"].read_text())
+    assert headline == {k: m[k] for k in evaluate_stage.HEADLINE}  # the headline, and nothing else
     assert m["iteration"] == 3 and m["eval/prompts"] == 4 and m["metric"] == "kv_fraction"
     for mode, part in (("dense", dense), ("compressed", comp)):
         assert m[f"eval/{mode}/score"] == pytest.approx(part.score.mean())
@@ -78,7 +81,7 @@ def test_evaluate_is_deterministic(setup, snapkv_run):
     root, model_dir, prompts = setup
     again = evaluate(_params(), 3, model_dir, prompts, root / "again", show_progress=False)
     assert again["predictions"].read_bytes() == snapkv_run["predictions"].read_bytes()
-    a, b = (json.loads(p.read_text()) for p in (snapkv_run["metrics"], again["metrics"]))
+    a, b = (json.loads(p.read_text()) for p in (snapkv_run["details"], again["details"]))
     timing = {k for k in a if k.endswith(("/seconds", "/tokens_per_s"))}
     assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
 
@@ -94,7 +97,7 @@ def test_dense_eviction_gives_identical_modes(setup):
     comp = df[df["mode"] == "compressed"][cols].reset_index(drop=True)
     pd.testing.assert_frame_equal(dense, comp)
     assert [list(x) for x in df.response_token_ids[:3]] == [list(x) for x in df.response_token_ids[3:]]
-    m = json.loads(out["metrics"].read_text())
+    m = json.loads(out["details"].read_text())
     assert m["eval/dense/score"] == m["eval/compressed/score"]
     assert m["eval/compressed/kv_kept_fraction"] == 1.0 and m["eval/agreement"] == 1.0
 
@@ -138,7 +141,7 @@ def test_cli_evaluate(setup, tmp_path):
     ok = CliRunner().invoke(app, [*base, "-i", "0", "--policy", str(model_dir), "--out", str(tmp_path / "o")])
     assert ok.exit_code == 0, ok.output
     assert "compressed" in ok.output  # the summary table
-    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["iteration"] == 0
+    assert json.loads((tmp_path / "o" / "details.json").read_text())["iteration"] == 0
 
 
 def test_summary_rows_warm_start_and_iterations(tmp_path):

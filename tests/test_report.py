@@ -20,7 +20,8 @@ def _write(path, data):
 
 
 def _run(root, name, iterations, params=None, config=None, learn=True):
-    """A project dir `root/name` with artifacts/iter-NNN/{rollout,learn,evaluate}/metrics.json."""
+    """A project dir `root/name` with artifacts/iter-NNN/{rollout,learn,evaluate}/metrics.json (and the
+    evaluate details.json holding the config when given)."""
     project = root / name
     art = project / "artifacts"
     for i in iterations:
@@ -28,10 +29,10 @@ def _run(root, name, iterations, params=None, config=None, learn=True):
         _write(it / "rollout" / "metrics.json", {"iteration": i, "reward/mean": 0.1 * i})
         if learn:
             _write(it / "learn" / "metrics.json", {"mismatch/logprob_abs_diff_max": 2.5e-7 * i})
-        ev = {"iteration": i, "eval/dense/score": 0.5 + 0.01 * i, "eval/compressed/score": 0.4 + 0.01 * i}
-        if config:
-            ev["config"] = config
+        ev = {"eval/dense/score": 0.5 + 0.01 * i, "eval/compressed/score": 0.4 + 0.01 * i}
         _write(it / "evaluate" / "metrics.json", ev)
+        if config:  # as `smdctl evaluate` records it: in details.json beside the headline metrics
+            _write(it / "evaluate" / "details.json", {**ev, "iteration": i, "config": config})
     if params is not None:
         (project / "params.yaml").write_text(yaml.safe_dump(params))
     return project

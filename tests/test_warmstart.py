@@ -63,8 +63,10 @@ def test_curriculum_sampler_starts_short_and_is_seeded():
 def test_smoke_run_writes_loadable_policy_and_metrics(setup):
     p, root = setup
     written = run_warmstart(p.warmstart, p.model, root / "data", root / "ws", seed=0)
-    assert set(written) == {"policy", "metrics"}
-    metrics = json.loads(written["metrics"].read_text())
+    assert set(written) == {"policy", "metrics", "details"}
+    headline = json.loads(written["metrics"].read_text())
+    assert set(headline) == {"exact_match", "reward", "steps", "final_loss", "minutes"}
+    metrics = json.loads(written["details"].read_text())
     assert metrics["steps"] == 3 and metrics["task"] == "kv_retrieval" and metrics["metric"] == "kv_fraction"
     assert 0.0 <= metrics["exact_match"] <= 1.0 and 0.0 <= metrics["reward"] <= 1.0
     assert metrics["eval_rows"] == 4 and metrics["final_loss"] > 0 and metrics["minutes"] >= 0
@@ -116,7 +118,7 @@ def test_stops_at_target_exact_match_on_held_out_longest_rows(setup, tmp_path, m
     cfg = p.warmstart.model_copy(update={"steps": 10, "check_every": 2, "check_rows": 5,
                                          "target_exact_match": 0.5})
     written = run_warmstart(cfg, p.model, root / "data", tmp_path / "ws", seed=0)
-    metrics = json.loads(written["metrics"].read_text())
+    metrics = json.loads(written["details"].read_text())
     assert metrics["steps"] == 6 and metrics["stop_reason"] == "target_exact_match"
     assert [c["exact_match"] for c in metrics["checks"]] == [0.0, 0.25, 0.75]
     assert [c["step"] for c in metrics["checks"]] == [2, 4, 6] and metrics["check_rows"] == 5
@@ -140,7 +142,7 @@ def test_default_task_warm_start_lands_in_the_rl_band(tmp_path):
     init_tiny_model(p.model.tiny, p.model.init_path, seed=p.seed)
     run_prepare(p.prepare, p.model.init_path, tmp_path / "data", seed=p.seed)
     written = run_warmstart(p.warmstart, p.model, tmp_path / "data", tmp_path / "ws", seed=p.seed)
-    metrics = json.loads(written["metrics"].read_text())
+    metrics = json.loads(written["details"].read_text())
     assert metrics["stop_reason"] == "target_exact_match"
     assert metrics["checks"][-1]["exact_match"] >= p.warmstart.target_exact_match
     assert 0.30 <= metrics["exact_match"] <= 0.85, metrics["exact_match"]

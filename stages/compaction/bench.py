@@ -130,7 +130,7 @@ def run_compaction_bench(
                 t0 = time.perf_counter()
                 out = compact(CompactionParams(chunk_rows=mb), traj, raw, d / "masks.zarr", d / "metrics.json")
                 compact_s = time.perf_counter() - t0
-                m = json.loads(out["metrics"].read_text())
+                m = json.loads(out["details"].read_text())
                 read_s = _read_time(out["masks"], list(range(mb)), read_repeats)
                 results.append(
                     {

@@ -11,7 +11,6 @@ leaves no output behind.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,14 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.mask_store import RETENTION_STATS, narrowest_dtype, store_nbytes, write_mask_store
 from schemas.masks import budget, read_raw_masks, visible_counts
+from schemas.metrics import write_metrics
 from schemas.params.compaction import CompactionParams
 from schemas.tables import read_table, table_config
+
+HEADLINE = ("rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s")
 
 
 def _table_info(table, source: str, eviction: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -194,7 +195,9 @@ def compact(
 ) -> dict[str, Path]:
     """Validate raw masks against the trajectory table and write the compacted store and its metrics.
 
-    Returns {"masks": out_path, "metrics": metrics_path}; metrics default to `metrics.json` beside the store.
+    Returns {"masks": out_path, "metrics": metrics_path, "details": details.json beside it}; metrics default
+    to `metrics.json` beside the store. The metrics file holds the headline (sizes, throughput), details.json
+    every figure with the per-head retention statistics (schemas.metrics).
     """
     t0 = time.perf_counter()
     traj_path, raw_path, out_path = Path(trajectories_path), Path(raw_masks_path), Path(out_path)
@@ -264,6 +267,4 @@ def compact(
             },
         },
     }
-    with atomic_path(metrics_path) as tmp:
-        tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    return {"masks": out_path, "metrics": metrics_path}
+    return {"masks": out_path, **write_metrics(metrics_path, metrics, HEADLINE)}

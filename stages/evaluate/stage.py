@@ -8,12 +8,13 @@ Each response is scored with the task's metric (schemas.rewards: `score` and `ex
 
 Writes, atomically as one directory (DESIGN §5):
   predictions.arrow   one row per (prompt, mode) (schemas.tables EVAL_PREDICTIONS_SCHEMA)
-  metrics.json        eval/{dense,compressed}/{score,exact_match}, eval/compressed/kv_kept_fraction, ...
+  metrics.json        headline (DVC metrics): eval/{dense,compressed}/{score,exact_match}
+  details.json        every figure of both modes (KV kept, lengths, tokens/s), agreement, score gap, and the
+                      config (schemas.metrics)
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,15 @@ from rich.table import Table
 
 from schemas import rewards
 from schemas.atomic import atomic_path
+from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
 from stages.kvcache.engine import generate_batch
 from stages.model import check_positions, load_policy, load_tokenizer
 
 MODES = ("dense", "compressed")
+# What `dvc metrics show` prints (fits 160 columns); the KV kept fraction is the rollout's headline.
+HEADLINE = ("eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match")
 DENSE = EvictionParams(policy="dense")
 
 
@@ -112,7 +116,7 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
              out_dir: str | Path, show_progress: bool = True) -> dict[str, Path]:
     """Greedy-evaluate `policy_path` on the eval split with the dense and the compressed cache.
 
-    Returns {"predictions": out_dir/predictions.arrow, "metrics": out_dir/metrics.json}. Bad input (missing
+    Returns {"predictions", "metrics", "details"}: out_dir/predictions.arrow, metrics.json, details.json. Bad input (missing
     checkpoint, missing/empty/invalid eval table, prompts too long for the model) raises SmdInputError before
     anything is written; the output directory appears only complete.
     """
@@ -169,11 +173,12 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
         "eval/score_gap": metrics["eval/dense/score"] - metrics["eval/compressed/score"],
         "config": config,
     })
-    written = {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json"}
+    written = {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json",
+               "details": out_dir / "details.json"}
     with atomic_path(out_dir) as tmp:
         tmp.mkdir(parents=True)
         write_table(rows, tmp / "predictions.arrow", "eval_predictions", config)
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        write_metrics(tmp / "metrics.json", metrics, HEADLINE)
     if show_progress:
         Console(stderr=True).print(summary_table(metrics))
     return written

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
-from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.metrics import write_metrics
 from schemas.params.prepare import SYNTHETIC_TASKS, PrepareParams
 from schemas.tables import write_table
 from stages.model import load_tokenizer
 from stages.prepare import loaders, synthetic
 
+HEADLINE = ("train.rows", "eval.rows", "train.prompt_tokens_mean", "eval.prompt_tokens_mean")
 
 def _synthetic_rows(cfg: PrepareParams, tokenizer, seed: int, split: str, n: int) -> list[dict[str, Any]]:
     rows = []
@@ -86,7 +86,8 @@ def _stats(rows: list[dict[str, Any]], tokenizer) -> dict[str, Any]:
 def run_prepare(
     cfg: PrepareParams, tokenizer_path: str | Path, out_dir: str | Path, seed: int = 0
 ) -> dict[str, Path]:
-    """Write `train.arrow`, `eval.arrow` (prompts tables) and `stats.json` under `out_dir`.
+    """Write `train.arrow`, `eval.arrow` (prompts tables), `stats.json` (headline: rows and mean prompt tokens
+    per split) and `details.json` (every statistic) under `out_dir`.
 
     Prompts are tokenized with the policy's tokenizer at `tokenizer_path` (no special tokens added).
     Everything is built and validated in memory first, so bad input leaves nothing behind.
@@ -135,7 +136,6 @@ def run_prepare(
     written: dict[str, Path] = {}
     for split, rows in splits.items():
         written[split] = write_table(rows, out_dir / f"{split}.arrow", "prompts", {**config, "split": split})
-    with atomic_path(out_dir / "stats.json") as tmp:
-        tmp.write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
-    written["stats"] = out_dir / "stats.json"
+    stats_files = write_metrics(out_dir / "stats.json", stats, HEADLINE)
+    written["stats"], written["details"] = stats_files["metrics"], stats_files["details"]
     return written

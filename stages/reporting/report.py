@@ -4,7 +4,8 @@ Inputs (any mix):
 - run directories: an `artifacts/` tree (or a project directory holding one) with
   `iter-NNN/{rollout,learn,evaluate}/metrics.json`. The run's parameters come from `params.yaml` beside
   `artifacts/` when present (schema defaults fill the keys it omits), else from the `config` that
-  `smdctl evaluate` stores in its metrics (any metrics file with a `config` tree or dotted keys counts).
+  `smdctl evaluate` stores in its details.json beside the metrics (any metrics or details file with a
+  `config` tree or dotted keys counts).
 - the output of `dvc exp show --json` (a list of experiment states, experiments nested under their
   baseline): params from each experiment's params files, metrics from its `iter-NNN/<stage>/metrics.json`.
 
@@ -160,8 +161,21 @@ def load_run(run_dir: str | Path) -> Run:
         config, source = _config_from_params(tree), f"{run_dir} (params: {params_file})"
     else:
         config, source = _config_from_metrics(metrics), f"{run_dir} (params: recorded in metrics)"
+        recorded = _config_from_metrics(_details(artifacts, metrics))
+        config = {key: recorded[key] if value is None else value for key, value in config.items()}
     name = root.resolve().name or str(root)
     return Run(name=name, source=source, config=config, metrics=metrics)
+
+
+def _details(artifacts: Path, metrics: dict[int, dict[str, dict[str, Any]]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """The details.json beside each metrics file (where a stage records the config it ran with)."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for iteration, stages in metrics.items():
+        for stage in stages:
+            path = artifacts / f"iter-{iteration:03d}" / stage / "details.json"
+            if path.is_file():
+                out.setdefault(iteration, {})[stage] = _read_json(path)
+    return out
 
 
 def _walk_states(states: Any):

@@ -3,12 +3,12 @@
 Writes, atomically as one directory (DESIGN §5):
   trajectories.arrow   one row per response (schemas.tables TRAJECTORIES_SCHEMA)
   masks.raw.zarr       raw shadow masks, one shard per `shard_rows` rows (schemas.masks)
-  metrics.json         mean reward, tokens/s, KV tokens kept vs dense
+  metrics.json         headline (DVC metrics): mean reward, KV kept fraction, response length, tokens/s
+  details.json         every figure: reward spread, token counts, seconds (schemas.metrics)
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas import rewards
 from schemas.atomic import atomic_path
 from schemas.masks import write_raw_masks
+from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
 from schemas.tables import read_table, write_table
 from stages.kvcache.engine import SampleResult, generate_batch
 from stages.model import check_positions, load_policy, load_tokenizer
+
+HEADLINE = ("reward/mean", "kv/kept_fraction", "response/length_mean", "rollout/tokens_per_s")
 
 
 def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int) -> list[int]:
@@ -163,9 +166,10 @@ def write_rollout(out_dir: str | Path, rows: list[dict[str, Any]], shards: list[
         tmp.mkdir(parents=True)
         write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
         write_raw_masks(tmp / "masks.raw.zarr", shards, num_layers, num_kv_heads, eviction)
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        write_metrics(tmp / "metrics.json", metrics, HEADLINE)
     return {
         "trajectories": out_dir / "trajectories.arrow",
         "raw_masks": out_dir / "masks.raw.zarr",
         "metrics": out_dir / "metrics.json",
+        "details": out_dir / "details.json",
     }

@@ -2,13 +2,13 @@
 
 The response is the reference text followed by EOS, tokenized with the policy's tokenizer and appended
 to the prompt's stored token ids. After training, a greedy `model.generate` pass over the eval split
-measures exact match and the task reward (schemas.rewards). Writes the Hugging Face policy directory
-and metrics.json atomically.
+measures exact match and the task reward (schemas.rewards). Writes the Hugging Face policy directory,
+metrics.json (headline: exact match, reward, steps, final loss, minutes) and details.json (everything,
+with the checks and sample responses), each atomically.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -20,11 +20,14 @@ import torch
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.metrics import write_metrics
 from schemas.params.model import ModelParams
 from schemas.params.warmstart import WarmstartParams
 from schemas.rewards import exact_match, metric_name, score
 from schemas.tables import read_table
 from stages.model import check_positions, load_policy, load_tokenizer
+
+HEADLINE = ("exact_match", "reward", "steps", "final_loss", "minutes")
 
 
 def response_ids(tokenizer, reference: str) -> list[int]:
@@ -157,7 +160,7 @@ def run_warmstart(
 ) -> dict[str, Path]:
     """Train the policy at `model_cfg.init_path` on `data_dir/train.arrow`; evaluate on `data_dir/eval.arrow`.
 
-    Writes `out_dir/policy` (Hugging Face model + tokenizer) and `out_dir/metrics.json`.
+    Writes `out_dir/policy` (Hugging Face model + tokenizer), `out_dir/metrics.json` and `out_dir/details.json`.
     """
     data_dir = Path(data_dir)
     if cfg.num_threads:
@@ -300,10 +303,8 @@ def warmstart_metrics(task: str, result: dict[str, Any], log: TrainLog, check_ro
 def write_warmstart(out_dir: Path, model, tokenizer, metrics: dict[str, Any]) -> dict[str, Path]:
     """Write the policy directory and the metrics, each atomically."""
     model.eval()
-    written = {"policy": out_dir / "policy", "metrics": out_dir / "metrics.json"}
-    with atomic_path(written["policy"]) as tmp:
+    policy = out_dir / "policy"
+    with atomic_path(policy) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    with atomic_path(written["metrics"]) as tmp:
-        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
-    return written
+    return {"policy": policy, **write_metrics(out_dir / "metrics.json", metrics, HEADLINE)}

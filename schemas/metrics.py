@@ -1,0 +1,57 @@
+"""Stage metrics files: the headline figures, and the full record beside them.
+
+Every stage writes two JSON files into its output directory:
+- `metrics.json` (prepare: `stats.json`), declared as DVC `metrics`: only the stage's headline figures, so
+  `dvc metrics show` and `dvc exp show` answer "how did this run do" at a glance;
+- `details.json` beside it, not a DVC metric: the whole record (the headline figures too), with the
+  detailed statistics (per-head retention, checks, samples) and the configuration the stage ran with.
+A headline key `a.b` picks `b` inside the record's `a` (nested the same way in the headline file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from schemas.atomic import atomic_path
+
+DETAILS = "details.json"
+
+
+def details_path(metrics_path: str | Path) -> Path:
+    """Where the full record of a metrics file lives: `details.json` in the same directory."""
+    return Path(metrics_path).with_name(DETAILS)
+
+
+def headline(record: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The headline part of a record: the listed keys that it has (`a.b` for nested keys)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        if key in record:
+            out[key] = record[key]
+            continue
+        *parents, leaf = key.split(".")
+        node = record
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            target = out
+            for part in parents:
+                target = target.setdefault(part, {})
+            target[leaf] = node[leaf]
+    return out
+
+
+def write_metrics(path: str | Path, record: dict[str, Any], keys: Sequence[str]) -> dict[str, Path]:
+    """Write the headline of `record` to `path` and the whole record to details.json beside it (each atomically).
+
+    Returns {"metrics": path, "details": details path}.
+    """
+    path = Path(path)
+    written = {"metrics": path, "details": details_path(path)}
+    for target, data in ((written["details"], record), (path, headline(record, keys))):
+        with atomic_path(target) as tmp:
+            tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return written
