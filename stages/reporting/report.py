@@ -145,6 +145,11 @@ def load_run(run_dir: str | Path) -> Run:
         m = _METRICS_PATH.search(path.relative_to(artifacts).as_posix())
         if m:
             metrics.setdefault(int(m.group(1)), {})[m.group(2)] = _read_json(path)
+    warm = artifacts / "warmstart" / "metrics.json"
+    if metrics and warm.is_file():
+        # The warm start as iteration 0: its greedy eval is a dense one, reported under the evaluate names.
+        w = _read_json(warm)
+        metrics[0] = {"evaluate": {"eval/dense/score": w.get("reward"), "eval/dense/exact_match": w.get("exact_match")}}
     if not metrics:
         raise SmdInputError(
             f"{run_dir}: no metrics: expected {artifacts}/iter-NNN/{{rollout,learn,evaluate}}/metrics.json "
@@ -314,14 +319,29 @@ def _series_label(config: dict[str, Any]) -> str:
     return f"{config.get('objective') or '?'} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
 
 
+# (title, [(stage, metrics key, line style, legend suffix)]) per panel of the learning curves.
+PANELS = [
+    ("train reward (rollout reward/mean)", [("rollout", "reward/mean", "o-", "")]),
+    ("held-out score (solid dense, dashed compressed)",
+     [("evaluate", "eval/dense/score", "o-", " dense"), ("evaluate", "eval/compressed/score", "s--", " compressed")]),
+    ("held-out exact match (solid dense, dashed compressed)",
+     [("evaluate", "eval/dense/exact_match", "o-", " dense"),
+      ("evaluate", "eval/compressed/exact_match", "s--", " compressed")]),
+    ("policy entropy on response tokens (nats)", [("learn", "policy/entropy", "o-", "")]),
+    ("rollout/learner mismatch KL (mismatch/kl)", [("learn", "mismatch/kl", "o-", "")]),
+    ("groups with all-equal rewards", [("learn", "batch/zero_adv_group_frac", "o-", "")]),
+]
+
+
 def render_plot(runs: list[Run], path: Path) -> None:
-    """Two panels against iteration: rollout reward, and eval score (dense solid, compressed dashed)."""
+    """Learning curves against iteration, one line per run: PANELS (train reward, held-out dense and compressed
+    score and exact match, entropy, mismatch, zero-advantage groups)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 4.6), layout="constrained")
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_reward, ax_eval = fig.subplots(1, 2)
+    axes = fig.subplots(2, 3).flatten()
     labels = [_series_label(r.config) for r in runs]
     ordered = sorted(range(len(runs)), key=lambda i: (labels[i], runs[i].name))
     for n, i in enumerate(ordered):
@@ -330,30 +350,23 @@ def render_plot(runs: list[Run], path: Path) -> None:
             label = f"{label} [{run.name}]"
         color = f"C{n % 10}"
         its = sorted(run.metrics)
-
-        def series(stage: str, key: str, its=its, run=run):
-            pts = [(it, metric_value(run.metrics[it].get(stage), key)) for it in its]
-            return [p for p, v in pts if v is not None], [v for _, v in pts if v is not None]
-
-        x, y = series("rollout", "reward/mean")
-        ax_reward.plot(x, y, "o-", color=color, label=label)
-        x, y = series("evaluate", "eval/dense/score")
-        ax_eval.plot(x, y, "o-", color=color, label=f"{label} dense")
-        x, y = series("evaluate", "eval/compressed/score")
-        ax_eval.plot(x, y, "s--", color=color, label=f"{label} compressed")
-    ax_reward.set_title("rollout reward/mean")
-    ax_eval.set_title("eval score (solid: dense cache, dashed: compressed)")
-    for ax in (ax_reward, ax_eval):
+        for ax, (_, lines) in zip(axes, PANELS):
+            for stage, key, style, suffix in lines:
+                pts = [(it, metric_value(run.metrics[it].get(stage), key)) for it in its]
+                pts = [(it, v) for it, v in pts if v is not None]
+                if pts:
+                    ax.plot([p for p, _ in pts], [v for _, v in pts], style, color=color, label=label + suffix,
+                            markersize=3)
+    for ax, (title, _) in zip(axes, PANELS):
+        ax.set_title(title, fontsize="medium")
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    ax_reward.set_ylabel("reward")
-    ax_eval.set_ylabel("score")
-    if ax_reward.get_legend_handles_labels()[0]:
-        ax_reward.legend(fontsize="small")
-    fig.legend(*ax_eval.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
+    handles, names = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="outside lower center", ncols=min(4, len(handles)), fontsize="small")
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+        fig.savefig(tmp, format="png", dpi=100)
 
 
 def report(runs: list[str | Path] | None = None, dvc_exp_json: str | Path | None = None,
