@@ -1,4 +1,4 @@
-"""`smdctl bench ...`: benchmarks that print ratios measured side by side in one run (DESIGN §8).
+"""`smdctl bench ...`: benchmarks that print ratios measured side by side in one run (docs/design.md §8).
 
 `bench_app` is the shared sub-app; each stage adds its own command here (compaction now; rollout and
 learner later), with the measuring code on the stage side.

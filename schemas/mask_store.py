@@ -1,4 +1,4 @@
-"""The compacted mask store (`masks.zarr`): compaction writes it, the learner reads it (DESIGN §4–5).
+"""The compacted mask store (`masks.zarr`): compaction writes it, the learner reads it (docs/design.md §4–5).
 
 Encoding as in `schemas.masks`: per key k of a row of length T, `evict_at[k]` is the first query position
 that no longer sees k, with the sentinel T for a key never evicted; query q sees k iff

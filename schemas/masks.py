@@ -1,4 +1,4 @@
-"""The shadow-mask contract (DESIGN §4–5): encoding, budget rule and the raw mask store.
+"""The shadow-mask contract (docs/design.md §4–5): encoding, budget rule and the raw mask store.
 
 Encoding. Eviction is monotone, so the [query x key] mask of one sequence, layer and KV head is one
 integer per key: `evict_at[k]` = the first query position that can no longer see key k. A key never

@@ -87,3 +87,19 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     src.write_text("def f():\n    from stages.rollout.stage import rollout\n    import stages.learner.train\n")
     names = imported_modules(src)
     assert {stage_of(n) for n in names} >= {"rollout", "learner"}
+
+
+def test_nothing_points_outside_the_repository():
+    """The design and every other reference live in the repository (docs/design.md), not in a sibling checkout."""
+    import subprocess
+
+    OUTSIDE = "../" "shared"  # noqa: ISC001 (split so that this line does not match itself)
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    bad = [
+        f"{name}:{i}"
+        for name in files
+        if name.endswith((".py", ".md", ".yaml", ".toml", ".cfg", ".txt"))
+        for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE in line
+    ]
+    assert not bad, "references outside the repository:\n" + "\n".join(bad)

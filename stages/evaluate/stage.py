@@ -6,7 +6,7 @@ with the eviction the rollout samples with (`params.rollout.eviction`). So the c
 accuracy of the policy as RL actually runs it, and dense - compressed is what the compression costs.
 Each response is scored with the task's metric (schemas.rewards: `score` and `exact_match`).
 
-Writes, atomically as one directory (DESIGN §5):
+Writes, atomically as one directory (docs/design.md §5):
   predictions.arrow   one row per (prompt, mode) (schemas.tables EVAL_PREDICTIONS_SCHEMA)
   metrics.json        headline (DVC metrics): eval/{dense,compressed}/{score,exact_match}
   details.json        every figure of both modes (KV kept, lengths, tokens/s), agreement, score gap, and the

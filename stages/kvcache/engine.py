@@ -7,7 +7,7 @@ How it plugs into transformers:
 - The attention function `smd_rollout` (registered through `AttentionInterface`) masks empty slots,
   computes the attention probabilities a policy asks for, lets the policy score the slots, and evicts
   right after the layer's attention ran: a step's visible set is the cache content when it runs.
-- Every eviction writes `evict_at[layer, seq, head, pos] = query_pos + 1` (DESIGN §4).
+- Every eviction writes `evict_at[layer, seq, head, pos] = query_pos + 1` (docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FlexAttention backend of the shadow attention: a BlockMask built straight from evict_at (DESIGN §4).
+"""FlexAttention backend of the shadow attention: a BlockMask built straight from evict_at (docs/design.md §4).
 
 The [query x key] mask is never materialised. Per (batch, KV head) and key block j, the min and max of
 evict_at over the block decide, for every query block i (block size `bs`):

@@ -1,4 +1,4 @@
-"""Shadow attention: replay the rollout's shadow mask inside the learner's attention (DESIGN §3–4).
+"""Shadow attention: replay the rollout's shadow mask inside the learner's attention (docs/design.md §3–4).
 
 Registered as a transformers attention implementation (`smd_shadow`). The forward receives the
 per-layer `evict_at` through a forward kwarg, and each layer masks evicted keys with -inf before the

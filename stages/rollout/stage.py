@@ -1,6 +1,6 @@
 """`smdctl rollout`: sample G responses per prompt with the evicting cache and record shadow masks.
 
-Writes, atomically as one directory (DESIGN §5):
+Writes, atomically as one directory (docs/design.md §5):
   trajectories.arrow   one row per response (schemas.tables TRAJECTORIES_SCHEMA)
   masks.raw.zarr       raw shadow masks, one shard per `shard_rows` rows (schemas.masks)
   metrics.json         headline (DVC metrics): mean reward, KV kept fraction, response length, tokens/s
