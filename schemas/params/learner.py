@@ -7,24 +7,27 @@ repeated here: the learner must score tokens at `rollout.temperature`, the distr
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal, get_args
 
-OBJECTIVES = ("smd", "shadow", "dense", "tis", "sparse_rl")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-ADVANTAGE_SCALES = ("std", "none")
-REF_KL_KINDS = ("k1", "k2", "k3")
-TIS_LEVELS = ("token", "sequence")
-ATTENTION_BACKENDS = ("sdpa", "flex")
+from pydantic import BaseModel, ConfigDict, Field
 
-
-def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {field} {value!r}; choose one of {', '.join(choices)}")
+Objective = Literal["smd", "shadow", "dense", "tis", "sparse_rl"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+AdvantageScale = Literal["std", "none"]
+RefKlKind = Literal["k1", "k2", "k3"]
+TisLevel = Literal["token", "sequence"]
+AttentionBackend = Literal["sdpa", "flex"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
+ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
+REF_KL_KINDS: tuple[str, ...] = get_args(RefKlKind)
+TIS_LEVELS: tuple[str, ...] = get_args(TisLevel)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 
 class LearnerParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    objective: str = Field(
+    objective: Objective = Field(
         "smd",
         description=f"One of {OBJECTIVES}: smd = shadow-masked GRPO + kl_lambda * KL(sg[pi_dense] || pi_masked); "
         "shadow = smd with kl_lambda 0 (no dense pass); dense = naive dense learner, ratio against the sparse "
@@ -32,10 +35,14 @@ class LearnerParams(BaseModel):
         "with sparsity-aware rejection sampling + token reweighting.",
     )
     kl_lambda: float = Field(0.1, ge=0.0, description="Weight of KL(sg[pi_dense] || pi_masked) in `smd`.")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (after warm-up).")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up over the first N optimizer steps of the run (counted "
+        "across iterations through the resumed step counter; 0 = none), as verl's `lr_warmup_steps`.",
+    )
 
     # GRPO
-    advantage_scale: str = Field(
+    advantage_scale: AdvantageScale = Field(
         "std",
         description=f"One of {ADVANTAGE_SCALES}: std = (r - group mean) / (group std + eps) (GRPO); "
         "none = r - group mean (Dr. GRPO).",
@@ -45,7 +52,7 @@ class LearnerParams(BaseModel):
     clip_eps_high: float = Field(
         0.2, gt=0.0, description="PPO clip: ratio <= 1 + clip_eps_high (DAPO's clip-higher uses 0.28)."
     )
-    loss_agg: str = Field(
+    loss_agg: LossAgg = Field(
         "token_mean",
         description=f"One of {LOSS_AGGS} (verl names): token_mean = sum over valid tokens / their number; "
         "seq_mean_token_mean = mean over sequences of per-sequence token means; seq_mean_token_sum = mean over "
@@ -56,13 +63,13 @@ class LearnerParams(BaseModel):
     ref_kl_coef: float = Field(
         0.0, ge=0.0, description="Weight of the KL to a reference policy (0 = off, no reference pass)."
     )
-    ref_kl_kind: str = Field(
+    ref_kl_kind: RefKlKind = Field(
         "k3",
         description=f"Estimator of KL(pi || pi_ref) on sampled tokens, one of {REF_KL_KINDS} (k3 = low variance).",
     )
 
     # Off-policy corrections of the dense baselines
-    tis_level: str = Field(
+    tis_level: TisLevel = Field(
         "token",
         description=f"`tis`: one of {TIS_LEVELS}: w = min(pi_dense / pi_rollout, tis_cap) per token, or of the "
         "product over the sequence.",
@@ -110,7 +117,7 @@ class LearnerParams(BaseModel):
         "processes, 2 = optimizer state and gradients partitioned. One process by default (several through the "
         "`deepspeed` launcher).",
     )
-    attention_backend: str = Field(
+    attention_backend: AttentionBackend = Field(
         "sdpa",
         description=f"Shadow attention backend, one of {ATTENTION_BACKENDS}: sdpa = reference, an explicit "
         "[B, H, T, T] boolean mask per layer (short sequences); flex = FlexAttention with a block mask built "
@@ -139,39 +146,3 @@ class LearnerParams(BaseModel):
         None, ge=0, description="Learner seed (mini-batch shuffling, RNG); None = derive from the global seed."
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0 = leave torch's default).")
-
-    @field_validator("objective")
-    @classmethod
-    def _objective(cls, v: str) -> str:
-        _choice("objective", v, OBJECTIVES)
-        return v
-
-    @field_validator("advantage_scale")
-    @classmethod
-    def _advantage_scale(cls, v: str) -> str:
-        _choice("advantage_scale", v, ADVANTAGE_SCALES)
-        return v
-
-    @field_validator("loss_agg")
-    @classmethod
-    def _loss_agg(cls, v: str) -> str:
-        _choice("loss_agg", v, LOSS_AGGS)
-        return v
-
-    @field_validator("ref_kl_kind")
-    @classmethod
-    def _ref_kl_kind(cls, v: str) -> str:
-        _choice("ref_kl_kind", v, REF_KL_KINDS)
-        return v
-
-    @field_validator("tis_level")
-    @classmethod
-    def _tis_level(cls, v: str) -> str:
-        _choice("tis_level", v, TIS_LEVELS)
-        return v
-
-    @field_validator("attention_backend")
-    @classmethod
-    def _attention_backend(cls, v: str) -> str:
-        _choice("attention_backend", v, ATTENTION_BACKENDS)
-        return v

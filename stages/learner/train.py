@@ -40,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
-from schemas.params import Params
-from schemas.params.learner import ATTENTION_BACKENDS, LOSS_AGGS, OBJECTIVES, LearnerParams
+from schemas.params import Params, format_validation_error
+from schemas.params.learner import LearnerParams
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
 from stages.learner.engine import (
     TRAINER_STATE,
@@ -70,24 +71,22 @@ MASKED_OBJECTIVES = ("smd", "shadow")
 
 
 # ------------------------------------------------------------------------------------------ validation
-def check_learner_params(cfg: LearnerParams) -> None:
-    """Re-check what a hand-built (unvalidated) LearnerParams could carry; one line each."""
-    if cfg.objective not in OBJECTIVES:
-        raise SmdInputError(f"learner.objective: unknown objective {cfg.objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    if not cfg.kl_lambda >= 0:
-        raise SmdInputError(f"learner.kl_lambda: must be >= 0, got {cfg.kl_lambda}")
-    if cfg.loss_agg not in LOSS_AGGS:
-        raise SmdInputError(f"learner.loss_agg: unknown {cfg.loss_agg!r}; choose one of {', '.join(LOSS_AGGS)}")
-    if cfg.attention_backend not in ATTENTION_BACKENDS:
-        raise SmdInputError(
-            f"learner.attention_backend: unknown {cfg.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
-        )
-    if cfg.zero_stage not in (0, 1, 2):
-        raise SmdInputError(f"learner.zero_stage: must be 0, 1 or 2, got {cfg.zero_stage}")
-    if cfg.micro_batch_size < 1 or cfg.epochs < 1 or cfg.updates_per_epoch < 1:
-        raise SmdInputError("learner.micro_batch_size, epochs and updates_per_epoch must be >= 1")
-    if not cfg.lr > 0:
-        raise SmdInputError(f"learner.lr: must be > 0, got {cfg.lr}")
+def validated(cfg: LearnerParams) -> LearnerParams:
+    """The learner section re-validated by its pydantic model (a params object built in code, e.g. with
+    `model_copy(update=...)`, skips validation); one line naming the key on failure."""
+    try:
+        return LearnerParams.model_validate(cfg.model_dump())
+    except ValidationError as err:
+        raise SmdInputError(format_validation_error(err, "learner params").replace(": ", ": learner.", 1)) from err
+
+
+def lr_at(step: int, cfg: LearnerParams) -> float:
+    """Learning rate of optimizer step `step` (0-based, counted over the whole run): linear warm-up from
+    lr / lr_warmup_steps to lr over the first lr_warmup_steps steps, then constant (verl's
+    `lr_warmup_steps` with a constant schedule)."""
+    if cfg.lr_warmup_steps <= 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -325,8 +324,7 @@ def learn(
     `<out_dir>/../learn`. Raises SmdInputError (nothing written) on bad input or a failed parity gate.
     """
     t_start = time.perf_counter()
-    cfg = params.learner
-    check_learner_params(cfg)
+    cfg = validated(params.learner)
     policy_path, out_dir = Path(policy_path), Path(out_dir)
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
     objective = cfg.objective
@@ -406,6 +404,8 @@ def learn(
             say(f"step skipped (epoch {step.epoch}): no valid token left in the mini-batch")
             continue
         stats = StepStats()
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(global_step, cfg)
         for rows, real in step.micro:
             # (with the teacher, block masks are built for the shared-prefix split inside the forward)
             mb = build_micro_batch(data, rows, masked, "sdpa" if teacher else backend, cfg.flex_block_size, num_q,
@@ -441,7 +441,7 @@ def learn(
         seconds = time.perf_counter() - t_step
         train_tokens += record.pop("tokens")
         train_seconds += seconds
-        record.update({"step": global_step, "epoch": step.epoch, "seconds": seconds,
+        record.update({"step": global_step, "epoch": step.epoch, "seconds": seconds, "lr": lr_at(global_step - 1, cfg),
                        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")})
         series.append(record)
         say(f"step {global_step}: loss/total={record['loss/total']:.4g} grad_norm={record['grad_norm']:.3g} "
