@@ -45,7 +45,7 @@ def _project(tmp_path: Path) -> Path:
     proj.mkdir()
     for name in ("dvc.yaml", ".dvcignore"):
         shutil.copy(ROOT / name, proj / name)
-    for name in ("stages", "schemas"):
+    for name in ("cli", "stages", "schemas"):  # dvc.yaml deps name the code of each command
         shutil.copytree(ROOT / name, proj / name, ignore=shutil.ignore_patterns("__pycache__"))
     params = load_params(None, None).model_dump()
     _merge(params, MICRO)

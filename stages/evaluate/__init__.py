@@ -1,4 +1,4 @@
-"""Held-out evaluation (dense and compressed greedy inference) and the cross-experiment report."""
+"""Held-out evaluation: dense and compressed greedy inference through the shared evicting engine."""
 
 from stages.evaluate.stage import evaluate
 
