@@ -23,7 +23,7 @@ from schemas.params.rollout import POLICIES
 from schemas.tables import TRAJECTORIES_SCHEMA, read_table, table_config, write_table
 from stages.compaction import compact
 from stages.learner.data import load_learner_data
-from stages.learner.train import learn, score_rows
+from stages.learner.train import HEADLINE, learn, score_rows
 from stages.model import load_policy
 from stages.rollout.stage import rollout
 from tests.helpers import make_model_dir, random_prompts
@@ -135,8 +135,11 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
     assert (out["trainer_state"] / "trainer_state.json").exists()
     after = params_of(out["policy"])
     assert max_param_diff(before, after) > 1e-5  # it trained
-    m = json.loads(out["metrics"].read_text())
+    m = json.loads(out["details"].read_text())
     assert m["mismatch/logprob_abs_diff_max"] <= TOL  # parity before the first step
+    # the DVC metric holds the headline only; details.json the whole record (with the config it ran with)
+    assert json.loads(out["metrics"].read_text()) == {k: m[k] for k in HEADLINE if k in m}
+    assert m["config"]["learner"]["objective"] == "smd"
     for key in ("mismatch/kl", "mismatch/k3_kl", "mismatch/logprob_abs_diff_mean", "mismatch/is_ratio_mean",
                 "mismatch/is_ratio_min", "mismatch/is_ratio_max", "mismatch/ess", "rejection/seq_fraction",
                 "reward/mean", "loss/pg", "loss/kl_dense", "loss/total", "grad_norm", "learner/tokens_per_s",
@@ -155,7 +158,7 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
 def test_other_objectives_run(tmp_path, setup, objective):
     root, model_dir, _, traj, masks = setup
     out = learn(make_params(**{"learner.objective": objective}), 1, model_dir, traj, masks, tmp_path / "policy")
-    m = json.loads(out["metrics"].read_text())
+    m = json.loads(out["details"].read_text())
     assert m["objective"] == objective and m["learner/steps"] == 1
     if objective == "shadow":
         assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["loss/kl_dense"] == 0
@@ -171,7 +174,7 @@ def test_resume_equals_uninterrupted(tmp_path, setup):
     a = learn(make_params(**common, **{"learner.epochs": 2}), 1, model_dir, traj, masks, tmp_path / "a" / "policy")
     b1 = learn(make_params(**common), 1, model_dir, traj, masks, tmp_path / "b1" / "policy")
     b2 = learn(make_params(**common), 2, b1["policy"], traj, masks, tmp_path / "b2" / "policy")
-    m = json.loads(b2["metrics"].read_text())
+    m = json.loads(b2["details"].read_text())
     assert m["learner/resumed_optimizer"] and m["learner/global_step"] == 2
     assert max_param_diff(params_of(a["policy"]), params_of(b2["policy"])) <= 1e-6
     fresh = learn(make_params(**common, **{"learner.resume_optimizer": False}), 2, b1["policy"], traj, masks,
@@ -230,7 +233,7 @@ def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
     assert_nothing_written(tmp_path, model_dir, digest)
     # The dense baseline has no gate: it logs the mismatch instead.
     m = learn(make_params(**{"learner.objective": "dense"}), 1, model_dir, traj, bad, tmp_path / "d" / "policy")
-    assert json.loads(m["metrics"].read_text())["mismatch/logprob_abs_diff_max"] > 1e-3
+    assert json.loads(m["details"].read_text())["mismatch/logprob_abs_diff_max"] > 1e-3
 
 
 def _write_raw_table(rows: list[dict], path: Path) -> Path:
@@ -298,7 +301,7 @@ def test_flex_backend_learns_like_sdpa(tmp_path, setup):
     over = {"learner.lr": 1e-4, "learner.adam_eps": 1e-6, "learner.flex_block_size": 16}
     outs = {b: learn(make_params(**over, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
                      tmp_path / b / "policy") for b in ("sdpa", "flex")}
-    m = json.loads(outs["flex"]["metrics"].read_text())
+    m = json.loads(outs["flex"]["details"].read_text())
     assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["attention_backend"] == "flex"
     assert max_param_diff(params_of(outs["sdpa"]["policy"]), params_of(outs["flex"]["policy"])) <= 1e-6
 

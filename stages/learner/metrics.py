@@ -3,7 +3,7 @@
 Direction: the samples come from the rollout policy, so the KL estimated on them is
 KL(pi_rollout || pi_learner) = E_{o ~ pi_rollout}[log pi_rollout(o) - log pi_learner(o)].
 Under SMD, before the first optimizer step, pi_learner (shadow-masked) == pi_rollout and every metric is
-neutral (kl 0, diff 0, ratios 1, ess 1) up to float error (DESIGN.md §3: max |diff| <= 1e-5); afterwards
+neutral (kl 0, diff 0, ratios 1, ess 1) up to float error (docs/design.md: max |diff| <= 1e-5); afterwards
 they measure policy drift. For the dense baselines they measure the context mismatch.
 """
 

@@ -9,7 +9,7 @@ Conventions (every function):
   weights, the dense teacher) is detached inside the function, so a caller that forgot `no_grad` cannot leak
   gradient into it.
 
-Objectives (DESIGN.md §7), `objective_loss` composes them:
+Objectives (docs/design.md), `objective_loss` composes them:
 - smd:       pg(masked_logp vs rollout_logp) + kl_lambda * KL(sg[pi_dense] || pi_masked)
 - shadow:    pg(masked_logp vs rollout_logp)                     (no dense pass)
 - dense:     pg(dense_logp vs rollout_logp)                      (naive: ignores the context mismatch)
@@ -416,7 +416,7 @@ def objective_loss(
     sparse_rl_seq_ratio_max: float = 2.0,
     sparse_rl_token_ratio_min: float = 0.01,
 ) -> tuple[Tensor, dict[str, float]]:
-    """One objective of DESIGN.md §7. Returns (total loss to backpropagate, terms for logging).
+    """One objective of docs/design.md. Returns (total loss to backpropagate, terms for logging).
 
     Inputs ([B] / [B, T] / [B, T, V]):
       advantages     [B] group advantages (`group_advantages`), detached here.

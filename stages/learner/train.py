@@ -1,24 +1,25 @@
-"""`smdctl learn`: GRPO post-training of the policy on one iteration's rollouts under DeepSpeed (DESIGN §3, §5, §7).
+"""`smdctl learn`: GRPO post-training of the policy on one iteration's rollouts under DeepSpeed (docs/design.md).
 
-Flow of `learn(...)`:
-  1. Read and cross-check the inputs (trajectory table, compacted mask store for smd/shadow, policy), GRPO
-     advantages over the whole batch grouped by prompt_id. Bad input: SmdInputError, nothing written.
-  2. Join/create the process group, build the DeepSpeed engine (torch AdamW, ZeRO stage from params),
-     resume the optimizer state saved beside the starting policy when present.
-  3. Parity pass (no gradient, before any optimizer step): learner log-probs of every response token —
-     shadow-masked for smd/shadow, dense for dense/tis/sparse_rl — against the rollout's. smd/shadow refuse
+Flow of `learn(...)`, one named step each:
+  1. `setup`: read and cross-check the inputs (trajectory table, compacted mask store for smd/shadow, policy),
+     GRPO advantages over the whole batch grouped by prompt_id; join/create the process group, build the
+     DeepSpeed engine (torch AdamW, ZeRO stage from params), resume the optimizer state saved beside the
+     starting policy when present. Bad input: SmdInputError, nothing written.
+  2. `parity_pass` (no gradient, before any optimizer step): learner log-probs of every response token --
+     shadow-masked for smd/shadow, dense for dense/tis/sparse_rl -- against the rollout's. smd/shadow refuse
      to train when max |delta| > learner.parity_tol (the mask does not reproduce the sampler: training would
      be silently off-policy). The same numbers are the proximal `old_logp` of tis/sparse_rl.
-  4. epochs x updates_per_epoch optimizer steps. Per micro-batch: shadow-masked forward with gradient
-     (smd, shadow) or dense forward with gradient (dense, tis, sparse_rl); for smd with kl_lambda > 0 also
-     the dense forward of the same weights under no_grad as teacher — the rows before the first eviction
-     (the prompt, prefilled densely) are the same for both and run once (`response_logits_with_teacher`);
-     `objective_loss`. Each micro-batch loss
-     is weighted by its share of the mini-batch's aggregation denominator (valid tokens for token_mean,
-     sequences for the seq_mean_* modes) so that the accumulated gradient over micro-batches and processes
-     equals the gradient of the objective on the whole mini-batch. Mismatch metrics are logged every step.
-  5. Atomically write `out_dir` (Hugging Face policy + tokenizer + trainer_state/) and `metrics_dir`
-     (metrics.json, steps.json); on any failure the previous checkpoint and earlier outputs are untouched.
+  3. `train_step` x (epochs x updates_per_epoch): per micro-batch (`micro_step`) the shadow-masked forward
+     with gradient (smd, shadow) or the dense one (dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
+     dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
+     prompt, prefilled densely) are the same for both and run once (`response_logits_with_teacher`);
+     `objective_loss`. Each micro-batch loss is weighted by its share of the mini-batch's aggregation
+     denominator (valid tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
+     gradient over micro-batches and processes equals the gradient of the objective on the whole mini-batch.
+     Per step: loss terms, clip fraction, approx KL, entropy, zero-advantage groups, grad norm, mismatch.
+  4. `write_outputs`: atomically write `out_dir` (Hugging Face policy + tokenizer + trainer_state/) and
+     `metrics_dir` (metrics.json headline, details.json, steps.json); on any failure the previous checkpoint
+     and earlier outputs are untouched.
 
 Sharding: every process reads the whole table; mini-batch rows go to processes round-robin (rows
 [rank::world]), each process's rows are grouped by length into micro-batches, and processes with fewer
@@ -44,6 +45,7 @@ from pydantic import ValidationError
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.metrics import write_metrics
 from schemas.params import Params, format_validation_error
 from schemas.params.learner import LearnerParams
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
@@ -65,7 +67,7 @@ from stages.learner.objectives import (
     zero_advantage_group_fraction,
 )
 from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
-from stages.model import load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer
 
 MASKED_OBJECTIVES = ("smd", "shadow")
 
@@ -308,6 +310,193 @@ def _write_collectively(final: Path, ctx: DistContext, body: Callable[[Path], No
     dist.barrier()
 
 
+@dataclass
+class LearnerRun:
+    """Everything one learn call sets up once and its named steps share."""
+
+    params: Params
+    cfg: LearnerParams
+    iteration: int
+    policy_path: Path
+    ctx: DistContext
+    engine: Any
+    tokenizer: Any
+    data: LearnerData
+    steps: list[Step]
+    resumed: dict[str, Any] | None
+    global_step: int
+    ref_model: Any = None
+    say: Callable[[str], None] = lambda msg: None
+
+    @property
+    def masked(self) -> bool:
+        return self.cfg.objective in MASKED_OBJECTIVES
+
+    @property
+    def teacher(self) -> bool:
+        return self.cfg.objective == "smd" and self.cfg.kl_lambda > 0
+
+    @property
+    def temperature(self) -> float:
+        return self.params.rollout.temperature
+
+    @property
+    def module(self):
+        return self.engine.module
+
+
+def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: str | Path,
+          masks_path: str | Path | None, log: Callable[[str], None] | None) -> LearnerRun:
+    """Read and cross-check the inputs, join the process group, build the DeepSpeed engine, resume its state."""
+    cfg = validated(params.learner)
+    masked = cfg.objective in MASKED_OBJECTIVES
+    seed = cfg.seed if cfg.seed is not None else params.seed
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    tokenizer = load_tokenizer(policy_path)
+    model = load_policy(policy_path, params.model.dtype)
+    mcfg = model.config
+    num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
+    data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv, need_masks=masked)
+    longest = max(data.length(r) for r in range(len(data)))
+    check_positions(model, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
+    ref_model = load_policy(cfg.reference_path, params.model.dtype) if cfg.ref_kl_coef > 0 else None
+
+    ctx = init_distributed()
+    torch.manual_seed(seed * 1_000_003 + iteration)
+    np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
+    model.to(ctx.device)
+    model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
+    steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
+    engine = make_engine(model, cfg, ctx, grad_accum)
+    resumed = load_trainer_state(engine, policy_path, cfg, ctx) if cfg.resume_optimizer else None
+    say = (log or (lambda msg: None)) if ctx.is_main else (lambda msg: None)  # progress lines from rank 0 only
+    return LearnerRun(params=params, cfg=cfg, iteration=iteration, policy_path=policy_path, ctx=ctx, engine=engine,
+                      tokenizer=tokenizer, data=data, steps=steps, resumed=resumed,
+                      global_step=int(resumed["global_step"]) if resumed else 0, ref_model=ref_model, say=say)
+
+
+def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None, dict[str, float]]:
+    """Before the first optimizer step: learner log-probs of every response token (shadow-masked for smd/shadow,
+    dense otherwise) and their mismatch against the rollout's; the reference policy's log-probs when a reference
+    KL is on. smd/shadow refuse to train when the mask does not reproduce the sampler (the parity gate).
+    Returns (old log-probs per row, reference log-probs per row or None, parity metrics)."""
+    cfg, data, ctx = run.cfg, run.data, run.ctx
+    t0 = time.perf_counter()
+    score = dict(masked=run.masked, temperature=run.temperature, micro_batch_size=cfg.micro_batch_size,
+                 backend=cfg.attention_backend, block_size=cfg.flex_block_size, device=ctx.device)
+    all_rows = list(range(len(data)))
+    my_rows = all_rows[ctx.rank :: ctx.world]
+    old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
+    for r in all_rows:
+        check_finite(f"learner log-probs of trajectory {data.trajectory_ids[r]}", torch.from_numpy(old[r]))
+    parity = batch_mismatch(all_rows, old, data)
+    ref = None
+    if run.ref_model is not None:
+        run.ref_model.to(ctx.device)
+        ref = _gather_dict(score_rows(run.ref_model, data, my_rows, **score), ctx)
+        run.ref_model = None
+    parity["learner/parity_seconds"] = time.perf_counter() - t0
+    gap = parity["mismatch/logprob_abs_diff_max"]
+    run.say(f"parity: mismatch/logprob_abs_diff_max={gap:.3g} ({'masked' if run.masked else 'dense'} learner, "
+            f"{len(data)} trajectories, {parity['learner/parity_seconds']:.1f}s)")
+    if run.masked and not gap <= cfg.parity_tol:
+        raise SmdInputError(
+            f"parity gate: mismatch/logprob_abs_diff_max={gap:.3g} > tol {cfg.parity_tol:g} between the shadow-masked "
+            f"learner ({run.policy_path}) and the rollout ({data.trajectories_path}, masks {data.masks_path}); "
+            "refusing to train off-policy"
+        )
+    return old, ref, parity
+
+
+def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, np.ndarray],
+               ref: dict[int, np.ndarray] | None) -> tuple[dict[str, float], MicroBatch, torch.Tensor, torch.Tensor | None,
+                                                          torch.Tensor]:
+    """Forward (masked and/or dense as the objective needs), objective, backward of one micro-batch scaled by
+    `weight` (its share of the mini-batch's aggregation denominator). Returns (loss terms, micro-batch, policy
+    log-probs, dense-teacher log-probs or None, per-token entropy)."""
+    cfg, masked, temperature, module = run.cfg, run.masked, run.temperature, run.module
+    backend = cfg.attention_backend
+    # (with the teacher, block masks are built for the shared-prefix split inside the forward)
+    mb = build_micro_batch(run.data, rows, masked, "sdpa" if run.teacher else backend, cfg.flex_block_size,
+                           module.config.num_attention_heads, device=run.ctx.device)
+    dense_sel = dense_logp = None
+    if run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
+        sel, dense_sel, targets, valid = response_logits_with_teacher(
+            module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
+        logp = token_logprobs(sel, targets, temperature).masked_fill(~valid, 0.0)
+        with torch.no_grad():
+            dense_logp = token_logprobs(dense_sel, targets, temperature).masked_fill(~valid, 0.0)
+    else:
+        sel, logp = forward_logp(module, mb, masked, backend, temperature)
+    old_t = _rows_tensor(rows, old, mb) if cfg.objective in ("tis", "sparse_rl") else None
+    ref_t = _rows_tensor(rows, ref, mb) if ref is not None else None
+    loss, terms = objective_loss(
+        cfg.objective, advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
+        masked_logp=logp if masked else None, dense_logp=None if masked else logp,
+        masked_logits=sel if masked else None, dense_logits=dense_sel,
+        old_logp=old_t, ref_logp=ref_t, **objective_kwargs(cfg, temperature),
+    )
+    run.engine.backward(loss * (weight * run.ctx.world), scale_wrt_gas=False)
+    run.engine.step()
+    return terms, mb, logp, dense_logp, token_entropy(sel, temperature)
+
+
+def train_step(run: LearnerRun, step: Step, denom: np.ndarray, old: dict[int, np.ndarray],
+               ref: dict[int, np.ndarray] | None) -> dict[str, Any] | None:
+    """One optimizer step over a mini-batch (its micro-batches accumulate); the step's record, or None when the
+    mini-batch has no valid token left."""
+    t_step = time.perf_counter()
+    total = float(denom[step.rows].sum())
+    if total == 0:
+        run.say(f"step skipped (epoch {step.epoch}): no valid token left in the mini-batch")
+        return None
+    lr = lr_at(run.global_step, run.cfg)
+    for group in run.engine.optimizer.param_groups:
+        group["lr"] = lr
+    stats = StepStats()
+    for rows, real in step.micro:
+        weight = float(denom[rows].sum()) / total if real else 0.0
+        terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref)
+        if real:
+            stats.add(terms, weight, mb, logp, dense_logp, entropy)
+    run.global_step += 1
+    grad_norm = run.engine.get_global_grad_norm()
+    record = stats.reduce(run.ctx, run.data, step.rows)
+    seconds = time.perf_counter() - t_step
+    record.update({"step": run.global_step, "epoch": step.epoch, "seconds": seconds, "lr": lr,
+                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")})
+    run.say(f"step {run.global_step}: loss/total={record['loss/total']:.4g} grad_norm={record['grad_norm']:.3g} "
+            f"policy/entropy={record['policy/entropy']:.3g} pg/clipfrac={record['pg/clipfrac']:.3g} ({seconds:.1f}s)")
+    return record
+
+
+def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: dict[str, Any],
+                  series: list[dict[str, Any]]) -> None:
+    """Atomically write the new policy (+ trainer state, collectively) and, on rank 0, metrics and steps."""
+    ctx = run.ctx
+    meta = {"world_size": ctx.world, "zero_stage": run.cfg.zero_stage, "global_step": run.global_step,
+            "iteration": run.iteration, "objective": run.cfg.objective}
+
+    def write_policy(tmp: Path) -> None:
+        if ctx.is_main:
+            tmp.mkdir(parents=True, exist_ok=True)
+            run.module.save_pretrained(tmp)
+            run.tokenizer.save_pretrained(tmp)
+        if ctx.world > 1:
+            dist.barrier()
+        save_trainer_state(run.engine, tmp / TRAINER_STATE, meta, ctx)
+
+    _write_collectively(out_dir, ctx, write_policy)
+    if ctx.is_main:
+        with atomic_path(metrics_dir) as tmp:
+            tmp.mkdir(parents=True)
+            write_metrics(tmp / "metrics.json", metrics, HEADLINE)
+            (tmp / "steps.json").write_text(json.dumps(series, indent=1, sort_keys=True) + "\n")
+    if ctx.world > 1:
+        dist.barrier()
+
+
 def learn(
     params: Params,
     iteration: int,
@@ -320,159 +509,23 @@ def learn(
 ) -> dict[str, Path]:
     """Train the policy on one iteration's rollouts; write the new policy (+ trainer state) and metrics.
 
-    Returns {"policy", "trainer_state", "metrics", "steps"} paths. `metrics_dir` defaults to
+    Returns {"policy", "trainer_state", "metrics", "details", "steps"} paths. `metrics_dir` defaults to
     `<out_dir>/../learn`. Raises SmdInputError (nothing written) on bad input or a failed parity gate.
     """
     t_start = time.perf_counter()
-    cfg = validated(params.learner)
-    policy_path, out_dir = Path(policy_path), Path(out_dir)
+    out_dir = Path(out_dir)
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
-    objective = cfg.objective
-    masked = objective in MASKED_OBJECTIVES
-    teacher = objective == "smd" and cfg.kl_lambda > 0
-    temperature = params.rollout.temperature
-    seed = cfg.seed if cfg.seed is not None else params.seed
-    backend = cfg.attention_backend
-    say = log or (lambda msg: None)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-
-    tokenizer = load_tokenizer(policy_path)
-    model = load_policy(policy_path, params.model.dtype)
-    mcfg = model.config
-    num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
-    data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv, need_masks=masked)
-    max_pos = getattr(mcfg, "max_position_embeddings", None)
-    longest = max(data.length(r) for r in range(len(data)))
-    if max_pos is not None and longest > max_pos:
-        raise SmdInputError(f"{data.trajectories_path}: a trajectory has {longest} tokens, more than the policy's "
-                            f"{max_pos} positions")
-    ref_model = None
-    if cfg.ref_kl_coef > 0:
-        ref_model = load_policy(cfg.reference_path, params.model.dtype)
-
-    ctx = init_distributed()
-    if not ctx.is_main:
-        say = lambda msg: None  # noqa: E731 - progress lines from rank 0 only
-    torch.manual_seed(seed * 1_000_003 + iteration)
-    np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
-    model.to(ctx.device)
-    model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
-    steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
-    engine = make_engine(model, cfg, ctx, grad_accum)
-    resumed = load_trainer_state(engine, policy_path, cfg, ctx) if cfg.resume_optimizer else None
-    global_step = int(resumed["global_step"]) if resumed else 0
-    module = engine.module
-    score = dict(masked=masked, temperature=temperature, micro_batch_size=cfg.micro_batch_size,
-                 backend=backend, block_size=cfg.flex_block_size, device=ctx.device)
-
-    # Parity pass: before the first optimizer step.
-    t0 = time.perf_counter()
-    my_rows = list(range(len(data)))[ctx.rank :: ctx.world]
-    old = _gather_dict(score_rows(module, data, my_rows, **score), ctx)
-    all_rows = list(range(len(data)))
-    for r in all_rows:
-        check_finite(f"learner log-probs of trajectory {data.trajectory_ids[r]}", torch.from_numpy(old[r]))
-    parity = batch_mismatch(all_rows, old, data)
-    ref: dict[int, np.ndarray] | None = None
-    if ref_model is not None:
-        ref_model.to(ctx.device)
-        ref = _gather_dict(score_rows(ref_model, data, my_rows, **score), ctx)
-        del ref_model
-    prepass_seconds = time.perf_counter() - t0
-    gap = parity["mismatch/logprob_abs_diff_max"]
-    say(f"parity: mismatch/logprob_abs_diff_max={gap:.3g} ({'masked' if masked else 'dense'} learner, "
-        f"{len(data)} trajectories, {prepass_seconds:.1f}s)")
-    if masked and not gap <= cfg.parity_tol:
-        raise SmdInputError(
-            f"parity gate: mismatch/logprob_abs_diff_max={gap:.3g} > tol {cfg.parity_tol:g} between the shadow-masked "
-            f"learner ({policy_path}) and the rollout ({data.trajectories_path}, masks {data.masks_path}); "
-            "refusing to train off-policy"
-        )
-
-    denom = row_denominators(data, cfg, old)
-    has_tokens = np.array([len(data.response_ids[r]) > 0 for r in all_rows])
-    rejected = float((has_tokens & (denom == 0)).sum() / len(data))  # sparse_rl's rejection (else 0)
-    kwargs = objective_kwargs(cfg, temperature)
-    series: list[dict[str, Any]] = []
-    train_tokens, train_seconds = 0.0, 0.0
-    num_q = mcfg.num_attention_heads
-    for step in steps:
-        t_step = time.perf_counter()
-        total = float(denom[step.rows].sum())
-        if total == 0:
-            say(f"step skipped (epoch {step.epoch}): no valid token left in the mini-batch")
-            continue
-        stats = StepStats()
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr_at(global_step, cfg)
-        for rows, real in step.micro:
-            # (with the teacher, block masks are built for the shared-prefix split inside the forward)
-            mb = build_micro_batch(data, rows, masked, "sdpa" if teacher else backend, cfg.flex_block_size, num_q,
-                                   device=ctx.device)
-            dense_sel = dense_logp = None
-            if teacher:  # masked policy + dense teacher sharing the rows before the first eviction
-                sel, dense_sel, targets, valid = response_logits_with_teacher(
-                    module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
-                logp = token_logprobs(sel, targets, temperature).masked_fill(~valid, 0.0)
-                with torch.no_grad():
-                    dense_logp = token_logprobs(dense_sel, targets, temperature).masked_fill(~valid, 0.0)
-            else:
-                sel, logp = forward_logp(module, mb, masked, backend, temperature)
-            old_t = ref_t = None
-            if objective in ("tis", "sparse_rl"):
-                old_t = _rows_tensor(rows, old, mb)
-            if ref is not None:
-                ref_t = _rows_tensor(rows, ref, mb)
-            loss, terms = objective_loss(
-                objective, advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
-                masked_logp=logp if masked else None, dense_logp=None if masked else logp,
-                masked_logits=sel if masked else None, dense_logits=dense_sel,
-                old_logp=old_t, ref_logp=ref_t, **kwargs,
-            )
-            weight = float(denom[rows].sum()) / total if real else 0.0
-            engine.backward(loss * (weight * ctx.world), scale_wrt_gas=False)
-            engine.step()
-            if real:
-                stats.add(terms, weight, mb, logp, dense_logp, token_entropy(sel, temperature))
-        global_step += 1
-        grad_norm = engine.get_global_grad_norm()
-        record = stats.reduce(ctx, data, step.rows)
-        seconds = time.perf_counter() - t_step
-        train_tokens += record.pop("tokens")
-        train_seconds += seconds
-        record.update({"step": global_step, "epoch": step.epoch, "seconds": seconds, "lr": lr_at(global_step - 1, cfg),
-                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")})
-        series.append(record)
-        say(f"step {global_step}: loss/total={record['loss/total']:.4g} grad_norm={record['grad_norm']:.3g} "
-            f"mismatch/logprob_abs_diff_max={record['mismatch/logprob_abs_diff_max']:.3g} ({seconds:.1f}s)")
-
-    metrics = _summary(params, iteration, data, parity, series, resumed is not None, global_step, ctx,
-                       train_tokens, train_seconds, prepass_seconds, time.perf_counter() - t_start, rejected)
-    meta = {"world_size": ctx.world, "zero_stage": cfg.zero_stage, "global_step": global_step,
-            "iteration": iteration, "objective": objective}
-
-    def write_policy(tmp: Path) -> None:
-        if ctx.is_main:
-            tmp.mkdir(parents=True, exist_ok=True)
-            module.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        if ctx.world > 1:
-            dist.barrier()
-        save_trainer_state(engine, tmp / TRAINER_STATE, meta, ctx)
-
-    _write_collectively(out_dir, ctx, write_policy)
-    if ctx.is_main:
-        with atomic_path(metrics_dir) as tmp:
-            tmp.mkdir(parents=True)
-            (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-            (tmp / "steps.json").write_text(json.dumps(series, indent=1, sort_keys=True) + "\n")
-    if ctx.world > 1:
-        dist.barrier()
+    run = setup(params, iteration, Path(policy_path), trajectories_path, masks_path, log)
+    old, ref, parity = parity_pass(run)
+    denom = row_denominators(run.data, run.cfg, old)
+    series = [r for r in (train_step(run, step, denom, old, ref) for step in run.steps) if r is not None]
+    metrics = _summary(run, parity, series, denom, time.perf_counter() - t_start)
+    write_outputs(run, out_dir, metrics_dir, metrics, series)
     return {
         "policy": out_dir,
         "trainer_state": out_dir / TRAINER_STATE,
         "metrics": metrics_dir / "metrics.json",
+        "details": metrics_dir / "details.json",
         "steps": metrics_dir / "steps.json",
     }
 
@@ -484,13 +537,20 @@ def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch)
     return out
 
 
-def _summary(params: Params, iteration: int, data: LearnerData, parity: dict[str, float], series: list[dict],
-             resumed: bool, global_step: int, ctx: DistContext, train_tokens: float, train_seconds: float,
-             prepass_seconds: float, seconds: float, rejected: float) -> dict[str, Any]:
-    """metrics.json: parity (before any step) under mismatch/*, step means under loss/*, pg/*, grad_norm."""
-    cfg = params.learner
+# Headline of metrics.json (DVC metrics); details.json beside it holds the whole record.
+HEADLINE = ("mismatch/logprob_abs_diff_max", "mismatch/kl", "rejection/seq_fraction", "policy/entropy", "pg/clipfrac",
+            "batch/zero_adv_group_frac", "learner/seconds_per_step", "learner/peak_rss_mb")
+
+
+def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], denom: np.ndarray,
+             seconds: float) -> dict[str, Any]:
+    """The learn record: parity (before any step) under mismatch/*, step means under loss/*, pg/*, policy/*,
+    timing and memory under learner/*, the config it ran with."""
+    cfg, data, ctx = run.cfg, run.data, run.ctx
+    has_tokens = np.array([len(r) > 0 for r in data.response_ids])
+    train_seconds = sum(s["seconds"] for s in series)
     out: dict[str, Any] = {
-        "iteration": iteration,
+        "iteration": run.iteration,
         "objective": cfg.objective,
         "attention_backend": cfg.attention_backend,
         "trajectories": len(data),
@@ -498,20 +558,21 @@ def _summary(params: Params, iteration: int, data: LearnerData, parity: dict[str
         "reward/mean": float(np.mean(data.rewards)),
         "reward/std": float(np.std(data.rewards)),
         **parity,
-        "rejection/seq_fraction": 0.0,
+        # sparse_rl's rejection (sequences with tokens but a zero denominator); 0 for every other objective
+        "rejection/seq_fraction": float((has_tokens & (denom == 0)).sum() / len(data)),
         "learner/steps": len(series),
-        "learner/global_step": global_step,
-        "learner/resumed_optimizer": bool(resumed),
+        "learner/global_step": run.global_step,
+        "learner/resumed_optimizer": run.resumed is not None,
         "learner/world_size": ctx.world,
-        "learner/tokens_per_s": train_tokens / train_seconds if train_seconds > 0 else 0.0,
+        "learner/tokens_per_s": sum(s.get("tokens", 0.0) for s in series) / train_seconds if train_seconds > 0 else 0.0,
+        "learner/seconds_per_step": train_seconds / len(series) if series else 0.0,
         "learner/seconds": seconds,
-        "learner/parity_seconds": prepass_seconds,
         "learner/peak_rss_mb": _peak_rss_mb(),
+        "config": {"learner": cfg.model_dump(), "rollout.temperature": run.temperature, "seed": run.params.seed,
+                   "policy": str(run.policy_path), "trajectories": str(data.trajectories_path)},
     }
     if ctx.device.type == "cuda":
         out["learner/peak_device_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-    if cfg.objective == "sparse_rl":
-        out["rejection/seq_fraction"] = rejected
     keys = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total", "pg/clipfrac", "pg/ratio_mean", "pg/approx_kl",
             "grad_norm", "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
     for key in keys:

@@ -15,7 +15,8 @@ from schemas.errors import SmdInputError
 HEADLINE = {
     "rollout": ["reward/mean", "kv/kept_fraction", "rollout/tokens_per_s"],
     "learn": ["mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean", "mismatch/kl", "mismatch/ess",
-              "rejection/seq_fraction", "loss/total", "grad_norm"],
+              "rejection/seq_fraction", "loss/total", "grad_norm", "policy/entropy", "pg/clipfrac",
+              "batch/zero_adv_group_frac"],
     "evaluate": ["eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match"],
 }
 
@@ -33,7 +34,8 @@ def iteration_row(artifacts: Path, n: int) -> dict:
     base = artifacts / f"iter-{n:03d}"
     row: dict = {"iteration": n}
     for stage, keys in HEADLINE.items():
-        data = _read(base / stage / "metrics.json")
+        # the stage's whole record (details.json) when present, else its DVC headline
+        data = _read(base / stage / "details.json") or _read(base / stage / "metrics.json")
         for key in keys:
             if key in data and isinstance(data[key], int | float):
                 row[key] = data[key]
