@@ -73,3 +73,16 @@ def test_cli_exit_code_2_on_bad_params(setup, tmp_path):
     assert result.exit_code == 2
     assert "rollout.group_size" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_min_prompt_tokens_samples_only_long_prompts(setup, tmp_path):
+    root, model_dir, prompts = setup  # prompts of 30, 45, 38 tokens (p0, p1, p2)
+    out = rollout(_params(**{"rollout.min_prompt_tokens": 38}), 1, model_dir, prompts, tmp_path / "long",
+                  show_progress=False)
+    picked = read_table(out["trajectories"], "trajectories").column("prompt_id").to_pylist()
+    assert len(picked) == 6 and set(picked) <= {"p1", "p2"}
+    with pytest.raises(SmdInputError, match=r"train.arrow: prompt_token_ids: no prompt has "
+                                            r"rollout.min_prompt_tokens=46 tokens \(the longest has 45\)"):
+        rollout(_params(**{"rollout.min_prompt_tokens": 46}), 1, model_dir, prompts, tmp_path / "none",
+                show_progress=False)
+    assert not (tmp_path / "none").exists()

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from schemas import rewards
 from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
 from schemas.masks import write_raw_masks
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
@@ -29,11 +30,24 @@ from stages.model import check_positions, load_policy, load_tokenizer
 HEADLINE = ("reward/mean", "kv/kept_fraction", "response/length_mean", "rollout/tokens_per_s")
 
 
-def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int) -> list[int]:
-    """Deterministic prompt indices for an iteration: a seeded permutation, cycled if too short."""
+def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int,
+                   eligible: list[int] | None = None) -> list[int]:
+    """Deterministic prompt indices for an iteration: a seeded permutation of the `eligible` indices (default:
+    all), cycled if too short."""
+    pool = np.arange(num_prompts) if eligible is None else np.asarray(eligible)
     rng = np.random.default_rng([seed, iteration])
-    order = rng.permutation(num_prompts)
-    return [int(order[i % num_prompts]) for i in range(wanted)]
+    order = pool[rng.permutation(len(pool))]
+    return [int(order[i % len(order)]) for i in range(wanted)]
+
+
+def eligible_prompts(prompts: list[dict[str, Any]], min_tokens: int, source: str | Path) -> list[int]:
+    """Indices of the prompts with at least `min_tokens` tokens; one line naming the file when there is none."""
+    eligible = [i for i, p in enumerate(prompts) if len(p["prompt_token_ids"]) >= min_tokens]
+    if not eligible:
+        longest = max((len(p["prompt_token_ids"]) for p in prompts), default=0)
+        raise SmdInputError(f"{source}: prompt_token_ids: no prompt has rollout.min_prompt_tokens={min_tokens} "
+                            f"tokens (the longest has {longest})")
+    return eligible
 
 
 def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path,
@@ -43,8 +57,9 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     prompts = read_table(prompts_path, "prompts").to_pylist()
     model = load_policy(policy_path, params.model.dtype)
     tokenizer = load_tokenizer(policy_path)
-    jobs = group_jobs(prompts, select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration),
-                      cfg.group_size, model, cfg.max_new_tokens, prompts_path)
+    picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration,
+                            eligible_prompts(prompts, cfg.min_prompt_tokens, prompts_path))
+    jobs = group_jobs(prompts, picked, cfg.group_size, model, cfg.max_new_tokens, prompts_path)
     torch.manual_seed(params.seed * 1_000_003 + iteration)
     generator = torch.Generator().manual_seed(params.seed * 1_000_003 + iteration)
     t0 = time.perf_counter()
