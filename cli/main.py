@@ -42,6 +42,7 @@ COMMAND_MODULES = [
     "cli.progress",
     "cli.params_cmd",
     "cli.iterations",
+    "cli.chain",
 ]
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,75 @@
+"""`smdctl chain`: run on-policy iterations (rollout -> compact -> learn -> evaluate -> progress) in one process.
+
+The same stage functions `dvc repro` runs, writing the same artifact layout under `<run-dir>/artifacts/`, but
+imports, the process group and the tokenizer/data caches are paid for once instead of once per stage and
+iteration (on the tiny model start-up is most of an iteration's cost in separate processes). For sweeps and
+seeds: `dvc repro` stays the reproducible, cached path of the default experiment. A chain resumes after the
+last iteration whose evaluation is written; `smdctl report <run-dir>` draws its curves.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+
+from cli.common import ParamsOption, SetOption, guarded, load
+from cli.paths import ARTIFACTS, WARMSTART_POLICY
+from schemas.atomic import atomic_path
+from schemas.params import Params
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("chain")
+    def chain_cmd(
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory: params.yaml + artifacts/iter-NNN.")],
+        params: ParamsOption = Path("params.yaml"),
+        overrides: SetOption = None,
+        iterations: Annotated[int | None, typer.Option(
+            help="Iterations (default: pipeline.num_iterations).")] = None,
+        warmstart: Annotated[Path, typer.Option(help="Policy iteration 1 samples with.")] = WARMSTART_POLICY,
+        data: Annotated[Path, typer.Option(help="Directory with train.arrow and eval.arrow.")] = ARTIFACTS / "data",
+        eval_every: Annotated[int, typer.Option(min=1, help="Evaluate every K iterations (and the last).")] = 1,
+    ) -> None:
+        """Run the iteration chain in one process under `run-dir` (resumes after the last evaluated iteration)."""
+        p = load(params, overrides)
+        total = iterations or p.pipeline.num_iterations
+        art = run_dir / "artifacts"
+        art.mkdir(parents=True, exist_ok=True)
+        with atomic_path(run_dir / "params.yaml") as tmp:  # the effective params: what `smdctl report` labels by
+            tmp.write_text(yaml.safe_dump(p.model_dump(mode="json"), sort_keys=False))
+        for n in range(1, total + 1):
+            base = art / f"iter-{n:03d}"
+            evaluated = n % eval_every == 0 or n == total
+            if (base / "progress.json").exists() and (not evaluated or (base / "evaluate" / "metrics.json").exists()):
+                continue  # done in an earlier run of this chain
+            policy = warmstart if n == 1 else art / f"iter-{n - 1:03d}" / "policy"
+            t0 = time.perf_counter()
+            guarded(partial(run_iteration, p, n, policy, base, data, evaluated))
+            print(f"iteration {n}/{total} done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+
+def run_iteration(p: Params, n: int, policy: Path, base: Path, data: Path, evaluated: bool) -> None:
+    """One iteration's stages in order, with the artifact paths dvc.yaml declares (relative to `base`)."""
+    from stages.compaction import compact
+    from stages.evaluate.stage import evaluate
+    from stages.learner.train import learn
+    from stages.reporting.progress import progress
+    from stages.rollout.stage import rollout
+
+    for stale in ("rollout", "compact", "learn", "policy", "evaluate"):
+        shutil.rmtree(base / stale, ignore_errors=True)  # a half-done iteration reruns whole
+    out = rollout(p, n, policy, data / "train.arrow", base / "rollout", show_progress=False)
+    compact(p.compaction, out["trajectories"], out["raw_masks"], base / "compact" / "masks.zarr")
+    learn(p, n, policy, out["trajectories"], base / "compact" / "masks.zarr", base / "policy", base / "learn")
+    if n > 1:  # only the newest policy's optimizer state is needed to resume
+        shutil.rmtree(base.parent / f"iter-{n - 1:03d}" / "policy" / "trainer_state", ignore_errors=True)
+    if evaluated:
+        evaluate(p, n, base / "policy", data / "eval.arrow", base / "evaluate", show_progress=False)
+    progress(n, base.parent)
