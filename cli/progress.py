@@ -18,6 +18,8 @@ COLUMNS = [
     ("eval/compressed/score", "eval compressed"),
     ("eval/dense/exact_match", "EM dense"),
     ("eval/compressed/exact_match", "EM compressed"),
+    ("eval/dense/reference_nll", "ref NLL dense"),
+    ("policy/entropy", "entropy"),
     ("kv/kept_fraction", "KV kept"),
     ("mismatch/logprob_abs_diff_max", "|dlogp| max"),
     ("mismatch/kl", "mismatch KL"),

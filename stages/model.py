@@ -124,3 +124,35 @@ def check_positions(model, tokens: int, what: str) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         raise SmdInputError(f"{what} exceeds the model's {limit} positions")
+
+
+def response_ids(tokenizer, reference: str) -> list[int]:
+    """Token ids of the target response: the reference (after a space, as it follows the cue) and EOS."""
+    if tokenizer.eos_token_id is None:
+        raise SmdInputError("tokenizer: eos_token: missing (the response must end with EOS)")
+    return tokenizer(" " + reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+@torch.no_grad()
+def reference_nll(model, tokenizer, prompts: list[list[int]], references: list[str], batch_size: int = 16) -> float:
+    """Mean over prompts of the reference response's negative log-likelihood (nats, summed over its tokens and
+    EOS) under the policy with the full context, temperature 1 -- the held-out likelihood of the right answer,
+    a low-noise companion of greedy exact match."""
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    total = 0.0
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(zip(prompts[start: start + batch_size], references[start: start + batch_size]))
+        seqs = [(list(p), response_ids(tokenizer, r)) for p, r in chunk]
+        T = max(len(p) + len(r) for p, r in seqs)
+        ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, (p, r) in enumerate(seqs):
+            ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+            mask[b, : len(p) + len(r)] = 1
+        device = next(model.parameters()).device
+        logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+        for b, (p, r) in enumerate(seqs):
+            pos = torch.arange(len(p) - 1, len(p) + len(r) - 1, device=logp.device)
+            total -= float(logp[b, pos, torch.tensor(r, device=logp.device)].sum())
+    return total / max(len(prompts), 1)

@@ -30,11 +30,12 @@ from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
 from stages.kvcache.engine import generate_batch
-from stages.model import check_positions, load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer, reference_nll
 
 MODES = ("dense", "compressed")
 # What `dvc metrics show` prints (fits 160 columns); the KV kept fraction is the rollout's headline.
-HEADLINE = ("eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match")
+HEADLINE = ("eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match",
+            "eval/dense/reference_nll")
 DENSE = EvictionParams(policy="dense")
 
 
@@ -151,6 +152,8 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
             metrics.update(_mode_metrics(mode_rows, mode, seconds))
             metrics[f"eval/{mode}/seconds"] = float(seconds)
             rows.extend(mode_rows)
+    metrics["eval/dense/reference_nll"] = reference_nll(model, tokenizer, [p["prompt_token_ids"] for p in prompts],
+                                                        [p["reference"] for p in prompts], cfg.batch_size)
 
     dense_rows, comp_rows = rows[: len(prompts)], rows[len(prompts):]
     tasks = sorted({p["task"] for p in prompts})

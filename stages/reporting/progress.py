@@ -17,7 +17,8 @@ HEADLINE = {
     "learn": ["mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean", "mismatch/kl", "mismatch/ess",
               "rejection/seq_fraction", "loss/total", "grad_norm", "policy/entropy", "pg/clipfrac",
               "batch/zero_adv_group_frac"],
-    "evaluate": ["eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match"],
+    "evaluate": ["eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match",
+                 "eval/dense/reference_nll"],
 }
 
 
@@ -59,7 +60,8 @@ def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
     if warm:
         # The warm start's greedy eval is a dense one: report it under the evaluate stage's names.
         row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float)}}
-        for src, dst in (("reward", "eval/dense/score"), ("exact_match", "eval/dense/exact_match")):
+        for src, dst in (("reward", "eval/dense/score"), ("exact_match", "eval/dense/exact_match"),
+                         ("reference_nll", "eval/dense/reference_nll")):
             if isinstance(warm.get(src), int | float):
                 row[dst] = warm[src]
         rows.append(row)

@@ -149,7 +149,8 @@ def load_run(run_dir: str | Path) -> Run:
     if metrics and warm.is_file():
         # The warm start as iteration 0: its greedy eval is a dense one, reported under the evaluate names.
         w = _read_json(warm)
-        metrics[0] = {"evaluate": {"eval/dense/score": w.get("reward"), "eval/dense/exact_match": w.get("exact_match")}}
+        metrics[0] = {"evaluate": {"eval/dense/score": w.get("reward"), "eval/dense/exact_match": w.get("exact_match"),
+                                   "eval/dense/reference_nll": w.get("reference_nll")}}
     if not metrics:
         raise SmdInputError(
             f"{run_dir}: no metrics: expected {artifacts}/iter-NNN/{{rollout,learn,evaluate}}/metrics.json "
@@ -327,6 +328,7 @@ PANELS = [
     ("held-out exact match (solid dense, dashed compressed)",
      [("evaluate", "eval/dense/exact_match", "o-", " dense"),
       ("evaluate", "eval/compressed/exact_match", "s--", " compressed")]),
+    ("held-out reference NLL, dense (nats per answer)", [("evaluate", "eval/dense/reference_nll", "o-", "")]),
     ("policy entropy on response tokens (nats)", [("learn", "policy/entropy", "o-", "")]),
     ("rollout/learner mismatch KL (mismatch/kl)", [("learn", "mismatch/kl", "o-", "")]),
     ("groups with all-equal rewards", [("learn", "batch/zero_adv_group_frac", "o-", "")]),
@@ -339,9 +341,9 @@ def render_plot(runs: list[Run], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    fig = Figure(figsize=(19, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3).flatten()
+    axes = fig.subplots(2, 4).flatten()
     labels = [_series_label(r.config) for r in runs]
     ordered = sorted(range(len(runs)), key=lambda i: (labels[i], runs[i].name))
     for n, i in enumerate(ordered):
@@ -362,6 +364,8 @@ def render_plot(runs: list[Run], path: Path) -> None:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
+    for ax in axes[len(PANELS):]:
+        ax.set_visible(False)
     handles, names = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, names, loc="outside lower center", ncols=min(4, len(handles)), fontsize="small")

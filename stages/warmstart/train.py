@@ -19,22 +19,14 @@ from typing import Any
 import torch
 
 from schemas.atomic import atomic_path
-from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
 from schemas.params.model import ModelParams
 from schemas.params.warmstart import WarmstartParams
 from schemas.rewards import exact_match, metric_name, score
 from schemas.tables import read_table
-from stages.model import check_positions, load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer, reference_nll, response_ids
 
-HEADLINE = ("exact_match", "reward", "steps", "final_loss", "minutes")
-
-
-def response_ids(tokenizer, reference: str) -> list[int]:
-    """Token ids of the target response: the reference (after a space, as it follows the cue) and EOS."""
-    if tokenizer.eos_token_id is None:
-        raise SmdInputError("tokenizer: eos_token: missing (the response must end with EOS)")
-    return tokenizer(" " + reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+HEADLINE = ("exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes")
 
 
 def _batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -175,6 +167,8 @@ def run_warmstart(
     eval_started = time.monotonic()
     ref_tokens = max(len(response_ids(tokenizer, r["reference"])) for r in evaluation)
     result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, cfg.eval_max_new_tokens or ref_tokens + 4)
+    result["reference_nll"] = reference_nll(model, tokenizer, [r["prompt_token_ids"] for r in evaluation],
+                                            [r["reference"] for r in evaluation], cfg.eval_batch_size)
     metrics = warmstart_metrics(train[0]["task"], result, log, len(examples.check), cfg.log_every, started,
                                 eval_started)
     return write_warmstart(Path(out_dir), model, tokenizer, metrics)
@@ -287,6 +281,7 @@ def warmstart_metrics(task: str, result: dict[str, Any], log: TrainLog, check_ro
         "metric": metric_name(task),
         "exact_match": result["exact_match"],
         "reward": result["reward"],
+        "reference_nll": result["reference_nll"],
         "eval_rows": result["eval_rows"],
         "steps": log.steps,
         "stop_reason": log.stop_reason,
