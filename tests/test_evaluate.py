@@ -150,7 +150,8 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
 
     (tmp_path / "warmstart").mkdir()
     (tmp_path / "warmstart" / "metrics.json").write_text(json.dumps(
-        {"task": "kv_retrieval", "exact_match": 0.5, "reward": 0.75, "steps": 900, "stop_reason": "target"}))
+        {"task": "kv_retrieval", "exact_match": 0.5, "reward": 0.75, "reference_nll": 2.25, "steps": 900,
+         "stop_reason": "target"}))
     for stage, metrics in {"rollout": {"reward/mean": 0.4, "kv/kept_fraction": 0.5},
                            "learn": {"mismatch/logprob_abs_diff_max": 1e-6, "mismatch/kl": 0.0, "note": "x"},
                            "evaluate": {"eval/dense/score": 0.8, "eval/compressed/score": 0.7,
@@ -161,6 +162,7 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
     # The warm start's eval is dense: its reward and exact match sit under the evaluate stage's names.
     assert rows[0]["iteration"] == 0 and rows[0]["eval/dense/score"] == 0.75
     assert rows[0]["eval/dense/exact_match"] == 0.5 and "eval/compressed/score" not in rows[0]
+    assert rows[0]["eval/dense/reference_nll"] == 2.25
     assert rows[1] == {"iteration": 1, "reward/mean": 0.4, "kv/kept_fraction": 0.5,
                        "mismatch/logprob_abs_diff_max": 1e-6, "mismatch/kl": 0.0, "eval/dense/score": 0.8,
                        "eval/compressed/score": 0.7, "eval/dense/exact_match": 0.6,
@@ -170,7 +172,7 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
     assert out.exit_code == 0
     warm_line = next(line for line in out.output.splitlines() if "warm start" in line)
     assert [c.strip() for c in warm_line.strip("│ ").split("│")] == ["warm start", "—", "0.75", "—", "0.5", "—",
-                                                                      "—", "—", "—"]
+                                                                      "2.25", "—", "—", "—", "—"]
     (tmp_path / "iter-001" / "learn" / "metrics.json").write_text("{broken")
     bad = CliRunner().invoke(app, ["summary", "--artifacts", str(tmp_path)])
     assert bad.exit_code == 2 and "learn/metrics.json: not valid JSON" in bad.output

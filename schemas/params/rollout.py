@@ -46,12 +46,12 @@ class RolloutParams(BaseModel):
     """Sampling G responses per prompt (one GRPO group) with an evicting cache."""
 
     model_config = ConfigDict(extra="forbid")
-    prompts_per_iteration: int = Field(32, ge=1, description="Train prompts sampled per iteration.")
+    prompts_per_iteration: int = Field(64, ge=1, description="Train prompts sampled per iteration.")
     min_prompt_tokens: int = Field(
         0, ge=0, description="Sample only train prompts of at least this many tokens (0 = all). The warm start "
         "trains on a length curriculum; RL samples the target length the held-out split has.",
     )
-    group_size: int = Field(4, ge=2, description="Responses per prompt (G); GRPO needs at least 2.")
+    group_size: int = Field(8, ge=2, description="Responses per prompt (G); GRPO needs at least 2.")
     max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs are of this distribution.")
     top_k: int = Field(0, ge=0, description="0 = off (default: truncation biases ratios).")

@@ -325,6 +325,7 @@ class LearnerRun:
     steps: list[Step]
     resumed: dict[str, Any] | None
     global_step: int
+    temperature: float  # the sampler's (rollout.temperature): the learner scores that distribution
     ref_model: Any = None
     say: Callable[[str], None] = lambda msg: None
 
@@ -335,10 +336,6 @@ class LearnerRun:
     @property
     def teacher(self) -> bool:
         return self.cfg.objective == "smd" and self.cfg.kl_lambda > 0
-
-    @property
-    def temperature(self) -> float:
-        return self.params.rollout.temperature
 
     @property
     def module(self):
@@ -373,7 +370,8 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     say = (log or (lambda msg: None)) if ctx.is_main else (lambda msg: None)  # progress lines from rank 0 only
     return LearnerRun(params=params, cfg=cfg, iteration=iteration, policy_path=policy_path, ctx=ctx, engine=engine,
                       tokenizer=tokenizer, data=data, steps=steps, resumed=resumed,
-                      global_step=int(resumed["global_step"]) if resumed else 0, ref_model=ref_model, say=say)
+                      global_step=int(resumed["global_step"]) if resumed else 0,
+                      temperature=params.rollout.temperature, ref_model=ref_model, say=say)
 
 
 def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None, dict[str, float]]:
