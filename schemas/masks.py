@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only where a tensor is built: compaction and the readers run without importing it
+    import torch
 import zarr
 
 from schemas.atomic import atomic_path
@@ -54,6 +56,8 @@ def visibility(evict_at: torch.Tensor, length: int | None = None) -> torch.Tenso
 
     With `length` < T the extra (padding) positions see only themselves, so softmax stays finite.
     """
+    import torch
+
     T = evict_at.shape[-1]
     pos = torch.arange(T, device=evict_at.device)
     vis = (pos[None, :] <= pos[:, None]) & (evict_at.unsqueeze(-2) > pos[:, None])

@@ -45,7 +45,7 @@ class WarmstartParams(BaseModel):
         "(the run is then no longer bit-reproducible; the metrics record the steps done).",
     )
     target_exact_match: float = Field(
-        0.45,
+        0.25,
         ge=0.0,
         le=1.0,
         description="Stop training once greedy exact match on the held-out check rows reaches this, so RL "
