@@ -38,9 +38,39 @@ def _run(root, name, iterations, params=None, config=None, learn=True):
     return project
 
 
-def _table(md: str) -> list[list[str]]:
-    rows = [line.strip("|").split("|") for line in md.splitlines() if line.startswith("| ")]
-    return [[c.strip() for c in r] for r in rows]
+def _table(md: str, first: str = "| run |") -> list[list[str]]:
+    """The Markdown table whose header line starts with `first` (the per-iteration one by default)."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|-"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_arms_mean_and_std_over_seeds(tmp_path):
+    from stages.reporting.report import arm_rows, load_run
+
+    runs = []
+    for seed, ems in ((0, [0.5, 0.6]), (1, [0.5, 0.8])):
+        root = tmp_path / f"s{seed}"
+        (root / "artifacts" / "warmstart").mkdir(parents=True)
+        _write(root / "artifacts" / "warmstart" / "metrics.json", {"exact_match": 0.4, "reward": 0.7})
+        for i, em in enumerate(ems, start=1):
+            _write(root / "artifacts" / f"iter-{i:03d}" / "evaluate" / "metrics.json", {"eval/dense/exact_match": em})
+            _write(root / "artifacts" / f"iter-{i:03d}" / "rollout" / "metrics.json", {"reward/mean": 0.1 * i + seed})
+        (root / "params.yaml").write_text(yaml.safe_dump({"learner": {"objective": "dense"}}))
+        runs.append(load_run(root))
+    (arm,) = arm_rows(runs)
+    assert arm["runs"] == 2 and arm["iterations"] == 2
+    mean, std, n = arm["dense EM"]
+    assert (round(mean, 9), round(std, 9), n) == (0.7, 0.1, 2)  # last iteration: 0.6 and 0.8
+    assert arm["dense EM @0"] == 0.4  # the warm start
+    assert arm["train reward (last 3)"][0] == pytest.approx(((0.1 + 0.2) / 2 + (1.1 + 1.2) / 2) / 2)
+    assert arm["ref NLL"] is None
 
 
 def test_report_rows_and_plot(tmp_path):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from schemas.atomic import atomic_path
@@ -280,6 +281,72 @@ def table_rows(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+# (column, stage, key, how a run's series reduces to one number): "last" = the last iteration that has it,
+# "tail" = mean of the last 3 iterations (train reward is noisy), "mean" = mean over the iterations.
+ARM_COLUMNS = [
+    ("dense EM", "evaluate", "eval/dense/exact_match", "last"),
+    ("dense score", "evaluate", "eval/dense/score", "last"),
+    ("compressed EM", "evaluate", "eval/compressed/exact_match", "last"),
+    ("compressed score", "evaluate", "eval/compressed/score", "last"),
+    ("ref NLL", "evaluate", "eval/dense/reference_nll", "last"),
+    ("train reward (last 3)", "rollout", "reward/mean", "tail"),
+    ("entropy (last)", "learn", "policy/entropy", "last"),
+    ("mismatch KL (mean)", "learn", "mismatch/kl", "mean"),
+    ("learner s/step", "learn", "learner/seconds_per_step", "mean"),
+    ("learner peak RSS MB", "learn", "learner/peak_rss_mb", "mean"),
+]
+
+
+def _reduce(run: Run, stage: str, key: str, how: str, start: int = 1) -> float | None:
+    pts = [v for it in sorted(run.metrics) if it >= start
+           for v in [metric_value(run.metrics[it].get(stage), key)] if v is not None]
+    if not pts:
+        return None
+    if how == "last":
+        return pts[-1]
+    tail = pts[-3:] if how == "tail" else pts
+    return sum(tail) / len(tail)
+
+
+def arm_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """One row per arm (runs sharing objective, policy and keep ratio, e.g. seeds): mean and std over its runs
+    of each ARM_COLUMNS figure, the warm start (iteration 0) where the runs have one, and the last iteration."""
+    arms: dict[str, list[Run]] = {}
+    for run in runs:
+        arms.setdefault(_series_label(run.config), []).append(run)
+    rows = []
+    for label, members in sorted(arms.items()):
+        row: dict[str, Any] = {"arm": label, "runs": len(members),
+                               "iterations": min(max(r.metrics) for r in members)}
+        for column, stage, key, how in ARM_COLUMNS:
+            values = [v for r in members for v in [_reduce(r, stage, key, how)] if v is not None]
+            row[column] = (float(np.mean(values)), float(np.std(values)), len(values)) if values else None
+            starts = [v for r in members if 0 in r.metrics
+                      for v in [metric_value(r.metrics[0].get(stage), key)] if v is not None]
+            row[f"{column} @0"] = float(np.mean(starts)) if starts else None
+        rows.append(row)
+    return rows
+
+
+def render_arms(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    cols = [c for c, *_ in ARM_COLUMNS]
+    lines = ["## Arms (mean ± std over runs; `@0`: the warm start)", "",
+             "| arm | runs | iterations | " + " | ".join(cols) + " |",
+             "|---|---:|---:|" + "---:|" * len(cols)]
+    for row in rows:
+        cells = []
+        for c in cols:
+            v = row[c]
+            cell = MISSING if v is None else f"{v[0]:.4g} ± {v[1]:.2g}"
+            if row[f"{c} @0"] is not None:
+                cell += f" (@0 {row[f'{c} @0']:.4g})"
+            cells.append(cell)
+        lines.append(f"| {row['arm']} | {row['runs']} | {row['iterations']} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _fmt(header: str, value: Any) -> str:
     if value is None:
         return MISSING
@@ -290,7 +357,8 @@ def _fmt(header: str, value: Any) -> str:
     return str(value)
 
 
-def render_markdown(rows: list[dict[str, Any]], sources: list[str], skipped: list[str], plot_name: str) -> str:
+def render_markdown(rows: list[dict[str, Any]], sources: list[str], skipped: list[str], plot_name: str,
+                    arms: list[dict[str, Any]] | None = None) -> str:
     lines = [
         "# smd experiment report",
         "",
@@ -299,6 +367,8 @@ def render_markdown(rows: list[dict[str, Any]], sources: list[str], skipped: lis
         "Mismatch: max |learner - rollout| token log-prob (learn metrics). "
         f"{MISSING} = metrics file or key missing.",
         "",
+        "",
+        *render_arms(arms or []),
         "Sources:",
         "",
         *(f"- {s}" for s in sources),
@@ -391,7 +461,8 @@ def report(runs: list[str | Path] | None = None, dvc_exp_json: str | Path | None
     written = {"markdown": out_dir / "report.md", "plot": out_dir / "report.png"}
     rows = table_rows(loaded)
     render_plot(loaded, written["plot"])
-    text = render_markdown(rows, [f"{r.name}: {r.source}" for r in loaded], skipped, written["plot"].name)
+    text = render_markdown(rows, [f"{r.name}: {r.source}" for r in loaded], skipped, written["plot"].name,
+                           arm_rows(loaded))
     with atomic_path(written["markdown"]) as tmp:
         tmp.write_text(text)
     return written
