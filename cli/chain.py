@@ -22,7 +22,7 @@ import yaml
 from cli.common import ParamsOption, SetOption, guarded, load
 from cli.paths import ARTIFACTS, WARMSTART_POLICY
 from schemas.atomic import atomic_path
-from schemas.params import Params
+from schemas.params import Params, start_policy
 
 
 def register(app: typer.Typer) -> None:
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
             evaluated = n % eval_every == 0 or n == total
             if (base / "progress.json").exists() and (not evaluated or (base / "evaluate" / "metrics.json").exists()):
                 continue  # done in an earlier run of this chain
-            policy = warmstart if n == 1 else art / f"iter-{n - 1:03d}" / "policy"
+            policy = start_policy(n, art, warmstart)
             t0 = time.perf_counter()
             guarded(partial(run_iteration, p, n, policy, base, data, evaluated))
             print(f"iteration {n}/{total} done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from schemas.params import start_policy
+
 ARTIFACTS = Path("artifacts")
 WARMSTART_POLICY = ARTIFACTS / "warmstart" / "policy"
 
@@ -14,4 +16,4 @@ def iteration_dir(iteration: int) -> Path:
 
 def policy_for_iteration(iteration: int) -> Path:
     """The policy iteration i samples with: the warm-start policy for i = 1, else iteration i-1's."""
-    return WARMSTART_POLICY if iteration <= 1 else iteration_dir(iteration - 1) / "policy"
+    return start_policy(iteration, ARTIFACTS)

@@ -53,13 +53,18 @@ class IterationItem(BaseModel):
     policy: str = Field(..., description="Policy checkpoint this iteration samples with (its predecessor's output).")
 
 
+def start_policy(iteration: int, artifacts: str | Path = "artifacts", warmstart: str | Path | None = None) -> Path:
+    """The policy iteration `iteration` samples with: the warm-start policy (default
+    `<artifacts>/warmstart/policy`) for iteration 1, else iteration i-1's output `<artifacts>/iter-NNN/policy`."""
+    if iteration <= 1:
+        return Path(warmstart) if warmstart is not None else Path(artifacts) / "warmstart" / "policy"
+    return Path(artifacts) / f"iter-{iteration - 1:03d}" / "policy"
+
+
 def default_chain(iterations: int) -> dict[str, IterationItem]:
     """Items keyed by iteration number, so DVC names the stages rollout@1, learn@2, ..."""
-    items = {}
-    for n in range(1, iterations + 1):
-        policy = "artifacts/warmstart/policy" if n == 1 else f"artifacts/iter-{n - 1:03d}/policy"
-        items[str(n)] = IterationItem(n=n, id=f"{n:03d}", policy=policy)
-    return items
+    return {str(n): IterationItem(n=n, id=f"{n:03d}", policy=start_policy(n).as_posix())
+            for n in range(1, iterations + 1)}
 
 
 def iterations_yaml(num_iterations: int) -> str:

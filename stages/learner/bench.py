@@ -212,7 +212,7 @@ def _gather_logits(model, b: dict, block_size: int):
     """response_logits through the gathering attention (mirrors shadow_attention.response_logits)."""
     import torch
 
-    from stages.learner.shadow_attention import response_index
+    from stages.learner.shadow_attention import gather_response
 
     ids = b["ids"]
     B, T = ids.shape
@@ -220,9 +220,7 @@ def _gather_logits(model, b: dict, block_size: int):
     position_ids = torch.arange(T).unsqueeze(0).expand(B, T)
     out = model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=T - start,
                 smd_evict_at=b["evict_at"], smd_gather_block=block_size).logits
-    idx, valid = response_index(b["prompt_lens"], b["resp_lens"], offset=start)
-    sel = torch.gather(out, 1, idx.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
-    targets = torch.gather(ids, 1, (idx + start + 1).clamp(max=T - 1))
+    (sel,), targets, valid = gather_response((out,), ids, b["prompt_lens"], b["resp_lens"], start)
     return sel, targets, valid
 
 

@@ -84,11 +84,20 @@ def response_logits(model, input_ids: torch.Tensor, evict_at: torch.Tensor | Non
         with attention_implementation(model, SHADOW_ATTENTION):
             logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
                            smd_evict_at=evict_at, smd_backend=backend, **extra).logits
+    (sel,), targets, valid = gather_response((logits,), input_ids, prompt_lens, resp_lens, start)
+    return sel, targets, valid
+
+
+def gather_response(logits: tuple[torch.Tensor, ...], input_ids: torch.Tensor, prompt_lens: list[int],
+                    resp_lens: list[int], start: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """From logits kept from position `start` on ([B, T - start, V] each), the response positions
+    ([B, R_max, V] each), the tokens they predict [B, R_max] and which are valid [B, R_max]."""
+    T = input_ids.shape[1]
     idx, valid = response_index(prompt_lens, resp_lens, offset=start)
     idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
-    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
     targets = torch.gather(input_ids, 1, (idx + start + 1).clamp(max=T - 1))
-    return sel, targets, valid
+    index = idx.unsqueeze(-1).expand(-1, -1, logits[0].shape[-1])
+    return tuple(torch.gather(x, 1, index) for x in logits), targets, valid
 
 
 # ------------------------------------------------------------------ shared prefix: masked policy + dense teacher
@@ -168,8 +177,5 @@ def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
         masked = model(input_ids=suffix, position_ids=suffix_pos, cache=cache, use_cache=True,
                        logits_to_keep=keep, smd_evict_at=evict_at, smd_backend=backend, **extra).logits
-    idx, valid = response_index(prompt_lens, resp_lens, offset=start)
-    idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
-    index = idx.unsqueeze(-1).expand(-1, -1, masked.shape[-1])
-    targets = torch.gather(input_ids, 1, (idx + start + 1).clamp(max=T - 1))
-    return torch.gather(masked, 1, index), torch.gather(dense, 1, index), targets, valid
+    (masked, dense), targets, valid = gather_response((masked, dense), input_ids, prompt_lens, resp_lens, start)
+    return masked, dense, targets, valid
