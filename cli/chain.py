@@ -42,6 +42,11 @@ def register(app: typer.Typer) -> None:
         total = iterations or p.pipeline.num_iterations
         art = run_dir / "artifacts"
         art.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.json", "details.json"):  # the warm start as iteration 0 of summary and report
+            source = Path(warmstart).parent / name
+            if source.is_file() and not (art / "warmstart" / name).exists():
+                (art / "warmstart").mkdir(exist_ok=True)
+                shutil.copyfile(source, art / "warmstart" / name)
         with atomic_path(run_dir / "params.yaml") as tmp:  # the effective params: what `smdctl report` labels by
             tmp.write_text(yaml.safe_dump(p.model_dump(mode="json"), sort_keys=False))
         for n in range(1, total + 1):

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Objective = Literal["smd", "shadow", "dense", "tis", "sparse_rl"]
+Objective = Literal["smd", "shadow", "naive", "naive_bypass", "dense", "tis", "sparse_rl"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AdvantageScale = Literal["std", "none"]
 RefKlKind = Literal["k1", "k2", "k3"]
@@ -29,10 +29,14 @@ class LearnerParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     objective: Objective = Field(
         "smd",
-        description=f"One of {OBJECTIVES}: smd = shadow-masked GRPO + kl_lambda * KL(sg[pi_dense] || pi_masked); "
-        "shadow = smd with kl_lambda 0 (no dense pass); dense = naive dense learner, ratio against the sparse "
-        "rollout's log-probs; tis = dense learner with truncated importance weights; sparse_rl = dense learner "
-        "with sparsity-aware rejection sampling + token reweighting.",
+        description=f"One of {OBJECTIVES} (docs/design.md, section 7): smd = shadow-masked GRPO + kl_lambda * "
+        "KL(sg[pi_dense] || pi_masked); shadow = smd with kl_lambda 0 (no dense pass); naive = dense learner, old "
+        "log-probs recomputed by the dense learner before the first update, the rollout/learner mismatch ignored "
+        "(what a framework whose rollout engine compresses the cache does); naive_bypass = dense learner, old "
+        "log-probs = the sparse rollout's (ratio pi_dense / pi_sparse from the first step; dual-clip); dense = the "
+        "same rule as naive_bypass, named for dense rollouts (eviction policy dense), where rollout and dense "
+        "learner log-probs coincide; tis = dense learner with truncated importance weights (verl's decoupled "
+        "TIS); sparse_rl = dense learner with Sparse-RL's rejection and reweighting (official configuration).",
     )
     kl_lambda: float = Field(0.1, ge=0.0, description="Weight of KL(sg[pi_dense] || pi_masked) in `smd`.")
     lr: float = Field(
@@ -47,10 +51,11 @@ class LearnerParams(BaseModel):
 
     # GRPO
     advantage_scale: AdvantageScale = Field(
-        "none",
-        description=f"One of {ADVANTAGE_SCALES}: none = r - group mean (Dr. GRPO, Liu et al. 2025: dividing by the "
-        "group std up-weights groups whose rewards barely differ); std = (r - group mean) / (group std + eps) "
-        "(GRPO, DeepSeekMath; TRL's and verl's default).",
+        "std",
+        description=f"One of {ADVANTAGE_SCALES}: std = (r - group mean) / (group std + eps) (GRPO, DeepSeekMath; "
+        "TRL's and verl's default, and the SMD paper's); none = r - group mean (Dr. GRPO, Liu et al. 2025). With "
+        "`none` the advantages of a [0, 1] reward are ~0.2 and smd's dense-teacher KL (kl_lambda 0.1) dominates "
+        "the update (measured: docs/results-rl.md).",
     )
 
     advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing.")
@@ -83,20 +88,54 @@ class LearnerParams(BaseModel):
     tis_cap: float = Field(
         2.0,
         ge=1.0,
-        description="Truncation C of importance weights (`tis`, and Sparse-RL's token reweighting).",
+        description="Truncation C of `tis`'s importance weights (verl's rollout_is_threshold), and of the "
+        "truncated-weight mismatch metrics (mismatch/rollout_is_*).",
     )
-    sparse_rl_seq_ratio_max: float = Field(
-        2.0,
-        ge=1.0,
-        description="`sparse_rl`: reject a sequence whose geometric-mean ratio exp(mean_t log(pi_dense / "
-        "pi_rollout)) lies outside [1/c, c].",
+    dual_clip_c: float | None = Field(
+        3.0,
+        gt=1.0,
+        description="Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): for A < 0 the per-token loss is capped at "
+        "-c * A, so a token whose ratio explodes cannot dominate the gradient. Applied to every objective as verl "
+        "does (it binds only where the ratio exceeds c: naive_bypass / dense on sparse rollouts, or several "
+        "updates per batch); null = off.",
     )
-    sparse_rl_token_ratio_min: float = Field(
-        0.01,
+    # Sparse-RL (arXiv 2601.10079); defaults = the official configuration (lsjia/Sparse-RL, slime `mis`)
+    sparse_rl_is_cap: float = Field(
+        1.5, ge=1.0, description="`sparse_rl`: token importance weight min(pi_dense / pi_rollout, cap)."
+    )
+    sparse_rl_token_ratio_low: float = Field(
+        0.5,
         ge=0.0,
         le=1.0,
-        description="`sparse_rl`: also reject a sequence holding any token with pi_dense / pi_rollout below this "
-        "(a token the sparse sampler made up; 0 = off).",
+        description="`sparse_rl`: tokens whose ratio pi_dense / pi_rollout is below this are masked out of the loss.",
+    )
+    sparse_rl_token_ratio_high: float = Field(
+        1.5,
+        ge=1.0,
+        description="`sparse_rl`: tokens whose ratio pi_dense / pi_rollout is above this are masked out of the loss.",
+    )
+    sparse_rl_veto_threshold: float = Field(
+        1e-4,
+        ge=0.0,
+        le=1.0,
+        description="`sparse_rl`: a sequence holding any token with pi_dense / pi_rollout below this is vetoed "
+        "(dropped whole; 0 = off).",
+    )
+    sparse_rl_batch_normalize: bool = Field(
+        True,
+        description="`sparse_rl`: divide the token weights by their mean over the kept tokens of the whole "
+        "mini-batch (mean 1).",
+    )
+    sparse_rl_seq_ratio_max: float | None = Field(
+        None,
+        ge=1.0,
+        description="`sparse_rl`, optional (not in the official configuration; verl's `geometric` rejection mode): "
+        "also reject a sequence whose geometric-mean ratio exp(mean_t log(pi_dense / pi_rollout)) lies outside "
+        "[1/c, c]. null = off.",
+    )
+    sparse_rl_loss_agg: LossAgg | None = Field(
+        "seq_mean_token_mean",
+        description="`sparse_rl`'s loss aggregation (the official per-sequence token mean); null = `loss_agg`.",
     )
 
     # Optimisation and DeepSpeed
