@@ -140,9 +140,12 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
     # the DVC metric holds the headline only; details.json the whole record (with the config it ran with)
     assert json.loads(out["metrics"].read_text()) == {k: m[k] for k in HEADLINE if k in m}
     assert m["config"]["learner"]["objective"] == "smd"
-    for key in ("mismatch/kl", "mismatch/k3_kl", "mismatch/logprob_abs_diff_mean", "mismatch/is_ratio_mean",
-                "mismatch/is_ratio_min", "mismatch/is_ratio_max", "mismatch/ess", "rejection/seq_fraction",
-                "reward/mean", "loss/pg", "loss/kl_dense", "loss/total", "grad_norm", "learner/tokens_per_s",
+    # the producing config of the rollouts it learned from, as the trajectory table records it (report labels)
+    assert m["config"]["rollout"]["eviction"]["policy"] == "snapkv"
+    for key in ("mismatch/kl", "mismatch/k3_kl", "mismatch/logprob_abs_diff_mean", "mismatch/token_ratio_mean",
+                "mismatch/token_ratio_min", "mismatch/token_ratio_max", "mismatch/seq_kish_ess",
+                "mismatch/rollout_is_mean", "mismatch/rollout_is_eff_sample_size", "rejection/seq_fraction",
+                "rejection/token_fraction", "pg/dual_clipfrac", "reward/mean", "loss/pg", "loss/kl_dense", "loss/total", "grad_norm", "learner/tokens_per_s",
                 "learner/peak_rss_mb"):
         assert key in m and np.isfinite(m[key]), key
     assert m["loss/kl_dense"] > 0 and m["grad_norm"] > 0 and m["learner/global_step"] == 1
@@ -154,7 +157,7 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
     assert policy.config.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("objective", ["shadow", "tis", "sparse_rl"])
+@pytest.mark.parametrize("objective", ["shadow", "naive", "naive_bypass", "tis", "sparse_rl"])
 def test_other_objectives_run(tmp_path, setup, objective):
     root, model_dir, _, traj, masks = setup
     out = learn(make_params(**{"learner.objective": objective}), 1, model_dir, traj, masks, tmp_path / "policy")
@@ -164,7 +167,45 @@ def test_other_objectives_run(tmp_path, setup, objective):
         assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["loss/kl_dense"] == 0
     else:  # dense learners log the real context mismatch
         assert m["mismatch/logprob_abs_diff_max"] > 1e-3
-        assert 0 <= m["rejection/seq_fraction"] <= 1
+        assert 0 <= m["rejection/seq_fraction"] <= 1 and 0 <= m["rejection/token_fraction"] <= 1
+        assert 0 < m["mismatch/rollout_is_eff_sample_size"] <= 1
+    if objective != "sparse_rl":
+        assert m["rejection/seq_fraction"] == m["rejection/token_fraction"] == 0
+
+
+def test_naive_ratio_is_exactly_one_before_the_first_update(tmp_path, setup):
+    """naive: the old log-probs are the dense learner's own (parity pass), so the first step's PPO ratio is 1
+    on every token although the dense learner is far from the sparse rollout; naive_bypass's is not."""
+    root, model_dir, _, traj, masks = setup
+    over = {"learner.epochs": 2}
+    out = learn(make_params(**over, **{"learner.objective": "naive"}), 1, model_dir, traj, masks, tmp_path / "n" / "policy")
+    steps = json.loads(out["steps"].read_text())
+    first = steps[0]
+    assert first["mismatch/logprob_abs_diff_max"] > 1e-3  # the mismatch is there, and ignored
+    assert first["pg/ratio_min"] == first["pg/ratio_max"] == 1.0 and first["pg/clipfrac"] == 0.0
+    assert steps[1]["pg/ratio_max"] != 1.0  # the second epoch's ratio is against the same old log-probs
+    out = learn(make_params(**over, **{"learner.objective": "naive_bypass"}), 1, model_dir, traj, masks,
+                tmp_path / "b" / "policy")
+    first = json.loads(out["steps"].read_text())[0]
+    assert first["pg/ratio_max"] > 1.0 + 1e-3 or first["pg/ratio_min"] < 1.0 - 1e-3
+
+
+def test_sparse_rl_normalises_over_the_mini_batch_across_micro_batches(tmp_path, setup):
+    """sparse_rl with micro-batches of 1 and of the whole batch: the same update (rejection and the weight
+    normalisation are fixed per mini-batch from the parity pass, not per micro-batch)."""
+    root, model_dir, _, traj, masks = setup
+    over = {"learner.objective": "sparse_rl", "learner.grad_clip": 0, "learner.lr": 1e-4, "learner.adam_eps": 1e-6,
+            # a window the tiny model's mismatch lands across, so that some tokens and weights differ from 1
+            "learner.sparse_rl_token_ratio_low": 0.99, "learner.sparse_rl_token_ratio_high": 1.01,
+            "learner.sparse_rl_is_cap": 1.003}
+    outs = [learn(make_params(**over, **{"learner.micro_batch_size": mbs}), 1, model_dir, traj, masks,
+                  tmp_path / f"mbs{mbs}" / "policy") for mbs in (1, 6)]
+    m = json.loads(outs[0]["details"].read_text())
+    assert 0 < m["rejection/token_fraction"] < 1
+    assert m["is_weight/mean"] != pytest.approx(1.0)  # a micro-batch's own mean differs from the mini-batch's
+    a, b = params_of(outs[0]["policy"]), params_of(outs[1]["policy"])
+    assert max_param_diff(params_of(model_dir), a) > 5e-5
+    assert max_param_diff(a, b) <= 1e-6
 
 
 def test_resume_equals_uninterrupted(tmp_path, setup):
@@ -231,8 +272,8 @@ def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
     errors = [line for line in res.output.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].endswith("refusing to train off-policy")
     assert_nothing_written(tmp_path, model_dir, digest)
-    # The dense baseline has no gate: it logs the mismatch instead.
-    m = learn(make_params(**{"learner.objective": "dense"}), 1, model_dir, traj, bad, tmp_path / "d" / "policy")
+    # The dense baselines have no gate: they log the mismatch instead.
+    m = learn(make_params(**{"learner.objective": "naive"}), 1, model_dir, traj, bad, tmp_path / "d" / "policy")
     assert json.loads(m["details"].read_text())["mismatch/logprob_abs_diff_max"] > 1e-3
 
 

@@ -23,6 +23,7 @@ from stages.learner.objectives import (
     policy_loss,
     reference_kl,
     sparse_rl_rejection,
+    sparse_rl_weight_sums,
     tis_weights,
     token_entropy,
     token_logprobs,
@@ -250,42 +251,67 @@ def test_tis_weights_truncation_token_and_sequence():
 
 
 def _rejection_batch():
-    """rollout = 0; learner log-ratios per row, documented in the rejection test."""
-    learner = T(
-        [
-            [0.1, -0.1, 0.0],  # mean 0, min ratio e^-0.1: kept
-            [1.0, 1.0, 0.0],  # mean 1 > ln 2: rejected by the sequence rule
-            [
-                LN(0.005),
-                2.0,
-                2.0,
-            ],  # mean -0.43 is fine, but a token ratio 0.005 < 0.01: rejected by the token rule
-            [0.0, 0.0, 0.0],  # no valid token: kept
-        ]
-    )
-    mask = T([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
-    return learner, torch.zeros(4, 3), mask
+    """rollout = 0, so the learner log-probs are the log-ratios; the rows, by Sparse-RL's official rules
+    (token window [0.5, 1.5], veto 1e-4, weight cap 1.5):"""
+    ratios = [
+        [1.2, 0.8, 1.0],  # all inside the window: kept, weights 1.2, 0.8, 1.0
+        [2.0, 1.4, 1.0],  # (third token padding) 2.0 > 1.5 masked; 1.4 kept
+        [5e-5, 1.0, 1.0],  # 5e-5 < 1e-4: the whole sequence vetoed
+        [0.4, 1.1, 1.3],  # 0.4 < 0.5 masked; 1.1, 1.3 kept
+        [1.0, 1.0, 1.0],  # no valid token
+    ]
+    mask = T([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    return torch.log(T(ratios, dtype=torch.float64)), torch.zeros(5, 3, dtype=torch.float64), mask
 
 
-def test_sparse_rl_rejection_rule_on_constructed_batch():
+# kept weights 1.2, 0.8, 1.0, 1.4, 1.1, 1.3: 6 tokens, sum 6.8
+KEPT_MEAN = 6.8 / 6
+
+
+def test_sparse_rl_official_rules_by_hand():
     learner, rollout, mask = _rejection_batch()
-    keep, w, rejected = sparse_rl_rejection(
-        learner, rollout, mask, seq_ratio_max=2.0, token_ratio_min=0.01, cap=2.0
-    )
-    assert keep.tolist() == [True, False, False, True]
-    assert rejected == 0.5
-    assert w[0].tolist() == pytest.approx([math.exp(0.1), math.exp(-0.1), 1.0])
-    assert (w[1:] == 0).all()
-    # token rule off: row 2 is kept, its weights truncated at the cap
-    keep, w, rejected = sparse_rl_rejection(
-        learner, rollout, mask, seq_ratio_max=2.0, token_ratio_min=0.0, cap=2.0
-    )
-    assert keep.tolist() == [True, False, True, True]
-    assert rejected == 0.25
-    assert w[2].tolist() == pytest.approx([0.005, 2.0, 2.0])
-    # a looser sequence threshold keeps row 1 (e^1 < 3)
-    keep, _, _ = sparse_rl_rejection(learner, rollout, mask, seq_ratio_max=3.0, token_ratio_min=0.01)
-    assert keep.tolist() == [True, True, False, True]
+    keep, w, stats = sparse_rl_rejection(learner, rollout, mask)  # defaults = the official configuration
+    assert keep.tolist() == [
+        [True, True, True],
+        [False, True, False],
+        [False, False, False],
+        [False, True, True],
+        [False, False, False],
+    ]
+    assert w.tolist() == [
+        pytest.approx([1.2, 0.8, 1.0]),
+        pytest.approx([0.0, 1.4, 0.0]),
+        [0.0, 0.0, 0.0],
+        pytest.approx([0.0, 1.1, 1.3]),
+        [0.0, 0.0, 0.0],
+    ]
+    # 4 sequences with tokens, row 2 vetoed; 11 valid tokens, 6 kept
+    assert stats == {"rejection/seq_fraction": 0.25, "rejection/token_fraction": pytest.approx(5 / 11)}
+    counts, sums = sparse_rl_weight_sums(learner, rollout, mask)
+    assert counts.tolist() == [3, 1, 0, 2, 0]
+    assert sums.tolist() == pytest.approx([3.0, 1.4, 0.0, 2.4, 0.0])
+
+
+def test_sparse_rl_veto_window_cap_and_geometric_rule():
+    learner, rollout, mask = _rejection_batch()
+    # veto off: row 2's 5e-5 token is only masked by the window, its two 1.0 tokens stay
+    keep, _, stats = sparse_rl_rejection(learner, rollout, mask, veto_threshold=0.0)
+    assert keep[2].tolist() == [False, True, True] and stats["rejection/seq_fraction"] == 0.0
+    # veto just below 5e-5: not vetoed either
+    keep, _, _ = sparse_rl_rejection(learner, rollout, mask, veto_threshold=4e-5)
+    assert keep[2].tolist() == [False, True, True]
+    # a wider window with a lower cap: 2.0 and 0.4 kept, weights truncated at 1.25
+    keep, w, stats = sparse_rl_rejection(learner, rollout, mask, token_ratio_low=0.1, token_ratio_high=3.0, cap=1.25)
+    assert keep[1].tolist() == [True, True, False] and keep[3].tolist() == [True, True, True]
+    assert w[1].tolist() == pytest.approx([1.25, 1.25, 0.0]) and w[3].tolist() == pytest.approx([0.4, 1.1, 1.25])
+    assert stats["rejection/token_fraction"] == pytest.approx(3 / 11)  # row 2's three tokens
+    # the geometric-mean rule (off by default), c = 1.25: row 1's (2 * 1.4)^(1/2) = 1.67 > 1.25 rejected;
+    # row 3's (0.4 * 1.1 * 1.3)^(1/3) = 0.830 >= 1 / 1.25 kept; row 0's 0.96^(1/3) kept
+    keep, _, stats = sparse_rl_rejection(learner, rollout, mask, seq_ratio_max=1.25)
+    assert keep.any(dim=-1).tolist() == [True, False, False, True, False]
+    assert stats["rejection/seq_fraction"] == 0.5
+    with pytest.raises(SmdInputError, match="token window"):
+        sparse_rl_rejection(learner, rollout, mask, token_ratio_low=1.5)
 
 
 # ---------------------------------------------------------------------------------------- composition
@@ -347,12 +373,50 @@ def test_shadow_ignores_lambda_and_needs_no_dense_pass():
     assert total0.item() == pytest.approx(pg.item())
 
 
-def test_dense_is_naive_ratio_against_rollout():
+def test_dual_clip_by_hand():
+    # three one-token sequences, old = 0: ratios 5, 2, 5 with advantages -1, -1, +1; eps 0.2, c = 3
+    logp = T([[LN(5.0)], [LN(2.0)], [LN(5.0)]], requires_grad=True)
+    adv, mask, old = T([-1.0, -1.0, 1.0]), torch.ones(3, 1), torch.zeros(3, 1)
+    loss, stats = policy_loss(logp, old, adv, mask, dual_clip_c=3.0)
+    # PPO: -min(r A, clip(r) A) = [5, 2, -1.2]; dual clip caps A < 0 at -c A = 3: [3, 2, -1.2]
+    assert loss.item() == pytest.approx((3 + 2 - 1.2) / 3)
+    assert stats["pg/dual_clipfrac"] == pytest.approx(1 / 3) and stats["pg/clipfrac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # capped token: no gradient; ratio 2 with A = -1: d(-r A)/dlogp = 2, / 3 tokens; clipped A > 0: none
+    assert logp.grad.flatten().tolist() == [0.0, pytest.approx(2 / 3), 0.0]
+    off, stats = policy_loss(logp, old, adv, mask)
+    assert off.item() == pytest.approx((5 + 2 - 1.2) / 3) and stats["pg/dual_clipfrac"] == 0.0
+    with pytest.raises(SmdInputError, match="dual_clip_c"):
+        policy_loss(logp, old, adv, mask, dual_clip_c=1.0)
+
+
+def test_naive_bypass_and_dense_take_the_rollout_as_old_with_dual_clip():
+    _, dense_logits, tokens, mask, rollout = _batch()
+    rollout = rollout - 2.0  # ratios e^2 > c = 3 against the rollout: the dual clip binds where A < 0
+    adv = T([0.5, -1.0])
+    dense_logp = token_logprobs(dense_logits, tokens)
+    want = policy_loss(dense_logp, rollout, adv, mask, dual_clip_c=3.0)[0].item()
+    assert want != pytest.approx(policy_loss(dense_logp, rollout, adv, mask)[0].item())
+    for objective in ("naive_bypass", "dense"):
+        total, terms = objective_loss(objective, advantages=adv, mask=mask, rollout_logp=rollout, dense_logp=dense_logp)
+        assert total.item() == pytest.approx(want) and terms["pg/dual_clipfrac"] > 0
+
+
+def test_naive_recomputes_old_and_ignores_the_rollout():
     _, dense_logits, tokens, mask, rollout = _batch()
     adv = T([0.5, -1.0])
     dense_logp = token_logprobs(dense_logits, tokens)
-    total, _ = objective_loss("dense", advantages=adv, mask=mask, rollout_logp=rollout, dense_logp=dense_logp)
-    assert total.item() == pytest.approx(policy_loss(dense_logp, rollout, adv, mask)[0].item())
+    for shift in (0.0, 3.0):  # the rollout's log-probs play no part
+        total, terms = objective_loss("naive", advantages=adv, mask=mask, rollout_logp=rollout - shift,
+                                      dense_logp=dense_logp)
+        # old = the dense learner's own log-probs: ratio exactly 1, loss = -token mean of A = -(3 * 0.5 - 2) / 5
+        assert terms["pg/ratio_min"] == terms["pg/ratio_max"] == 1.0 and terms["pg/clipfrac"] == 0.0
+        assert total.item() == pytest.approx(0.1)
+    # with an explicit old (the parity pass's), the ratio is against it
+    old = dense_logp.detach() - 0.1
+    _, terms = objective_loss("naive", advantages=adv, mask=mask, rollout_logp=rollout, dense_logp=dense_logp,
+                              old_logp=old)
+    assert terms["pg/ratio_mean"] == pytest.approx(math.exp(0.1))
 
 
 def test_tis_objective_by_hand():
@@ -372,23 +436,64 @@ def test_tis_objective_by_hand():
     assert terms["is_weight/mean"] == pytest.approx(1.25)
 
 
-def test_sparse_rl_objective_drops_rejected_sequences():
+def test_sparse_rl_objective_batch_normalisation_and_aggregation():
     learner, rollout, mask = _rejection_batch()
-    dense_logp = learner.clone().requires_grad_(True)
-    total, terms = objective_loss(
-        "sparse_rl",
-        advantages=T([1.0, 1.0, 1.0, 1.0]),
-        mask=mask,
-        rollout_logp=rollout,
-        dense_logp=dense_logp,
-        sparse_rl_seq_ratio_max=2.0,
-        sparse_rl_token_ratio_min=0.01,
-    )
-    assert terms["rejection/seq_fraction"] == 0.5
-    # only row 0 survives: weights [e^0.1, e^-0.1, 1], ratio 1, A = 1, token mean over its 3 tokens
-    assert total.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1) + 1) / 3)
-    total.backward()
-    assert (dense_logp.grad[1:] == 0).all()
+    adv = torch.ones(5)
+
+    def run(rows, loss_agg, **kw):
+        dense_logp = learner[rows].clone().requires_grad_(True)
+        total, terms = objective_loss("sparse_rl", advantages=adv[rows], mask=mask[rows], rollout_logp=rollout[rows],
+                                      dense_logp=dense_logp, loss_agg=loss_agg, **kw)
+        total.backward()
+        return total.item(), terms, dense_logp.grad
+
+    # ratio 1 (old = dense), A = 1: per token -w_t / mean; the kept weights' mean is 6.8 / 6
+    total, terms, grad = run(slice(None), "token_mean")
+    assert total == pytest.approx(-1.0)  # normalised to mean 1 over the kept tokens
+    assert terms["is_weight/mean"] == pytest.approx(1.0)
+    assert terms["rejection/seq_fraction"] == 0.25 and terms["rejection/token_fraction"] == pytest.approx(5 / 11)
+    assert grad[0].tolist() == pytest.approx([-1.2 / KEPT_MEAN / 6, -0.8 / KEPT_MEAN / 6, -1.0 / KEPT_MEAN / 6])
+    assert grad[1, 0] == 0 and (grad[2] == 0).all() and grad[3, 0] == 0  # masked tokens, vetoed sequence
+    # the official per-sequence token mean: rows 0, 1, 3 count, means 1.0, 1.4, 1.2 (/ the batch mean)
+    total, _, _ = run(slice(None), "seq_mean_token_mean")
+    assert total == pytest.approx(-(1.0 + 1.4 + 1.2) / 3 / KEPT_MEAN)
+    # un-normalised: the raw truncated weights
+    total, _, _ = run(slice(None), "token_mean", sparse_rl_batch_normalize=False)
+    assert total == pytest.approx(-6.8 / 6)
+    # a micro-batch normalises by the whole mini-batch's mean, given from outside (the learner's parity pass)
+    part, _, _ = run(slice(0, 1), "token_mean", sparse_rl_weight_mean=KEPT_MEAN)
+    assert part == pytest.approx(-1.0 / KEPT_MEAN)
+    alone, _, _ = run(slice(0, 1), "token_mean")  # without it: the micro-batch's own mean (1.0)
+    assert alone == pytest.approx(-1.0)
+
+
+def test_sparse_rl_micro_batches_sum_to_the_mini_batch():
+    """Micro-batches weighted by their share of kept tokens, each normalised by the mini-batch mean from
+    `sparse_rl_weight_sums`, give the mini-batch's loss and gradient (what the learner's accumulation does)."""
+    g = torch.Generator().manual_seed(3)
+    learner = torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.4
+    rollout = torch.zeros(6, 5, dtype=torch.float64)
+    mask = torch.rand(6, 5, generator=g) > 0.2
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    counts, sums = sparse_rl_weight_sums(learner, rollout, mask)
+    mean = float(sums.sum() / counts.sum())
+
+    def loss(rows, **kw):
+        lp = learner[rows].clone().requires_grad_(True)
+        total, _ = objective_loss("sparse_rl", advantages=adv[rows], mask=mask[rows], rollout_logp=rollout[rows],
+                                  dense_logp=lp, **kw)
+        total.backward()
+        return total.item(), lp.grad
+
+    whole, whole_grad = loss(slice(None))
+    acc, grads = 0.0, []
+    for rows in (slice(0, 2), slice(2, 6)):
+        share = float(counts[rows].sum() / counts.sum())
+        part, grad = loss(rows, sparse_rl_weight_mean=mean)
+        acc += share * part
+        grads.append(share * grad)
+    assert acc == pytest.approx(whole)
+    assert torch.allclose(torch.cat(grads), whole_grad)
 
 
 def test_reference_kl_term_is_added():
@@ -445,6 +550,9 @@ def test_params_feed_objective_loss():
         "learner.advantage_scale=rank",
         "learner.tis_cap=0.5",
         "learner.clip_eps_low=1.0",
+        "learner.dual_clip_c=1.0",
+        "learner.sparse_rl_token_ratio_high=0.9",
+        "learner.sparse_rl_loss_agg=sum",
     ],
 )
 def test_bad_learner_params_fail_with_one_line(override, tmp_path):
@@ -461,6 +569,12 @@ def test_learner_params_defaults_and_unknown_key():
         0.2,
         0.2,
     )
+    # Sparse-RL's official configuration (lsjia/Sparse-RL, slime `mis`), verl's dual-clip c = 3
+    assert (p.sparse_rl_is_cap, p.sparse_rl_token_ratio_low, p.sparse_rl_token_ratio_high) == (1.5, 0.5, 1.5)
+    assert (p.sparse_rl_veto_threshold, p.sparse_rl_batch_normalize, p.sparse_rl_seq_ratio_max) == (1e-4, True, None)
+    assert p.dual_clip_c == 3.0
+    assert objective_kwargs(p.model_copy(update={"objective": "sparse_rl"}))["loss_agg"] == "seq_mean_token_mean"
+    assert objective_kwargs(p.model_copy(update={"objective": "naive"}))["loss_agg"] == "token_mean"
     with pytest.raises(ValidationError):
         LearnerParams(kl_lamda=0.2)
 

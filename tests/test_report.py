@@ -97,6 +97,25 @@ def test_report_rows_and_plot(tmp_path):
     assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["report.md", "report.png"]
 
 
+def test_report_labels_runs_from_their_artifacts_not_params_yaml(tmp_path):
+    """A run made with `-S` overrides sits beside a params.yaml that says otherwise: the config its stages
+    recorded wins; params.yaml fills only what no artifact records."""
+    params = {"learner": {"objective": "smd"}, "rollout": {"eviction": {"policy": "snapkv", "keep_ratio": 0.5}}}
+    ran = {"learner": {"objective": "dense"}, "rollout": {"eviction": {"policy": "dense", "keep_ratio": 0.5}}}
+    a = _run(tmp_path, "overridden", [1, 2], params=params, config=ran)
+    # only learn's details.json records a config (its learner section, the trajectory table's rollout config)
+    b = _run(tmp_path, "learn-only", [1], params=params)
+    _write(b / "artifacts" / "iter-001" / "learn" / "details.json",
+           {"config": {"learner": {"objective": "naive"}, "rollout": {"eviction": {"policy": "h2o"}}}})
+    out = report([a, b], None, tmp_path / "r")
+    rows = _table(out["markdown"].read_text())
+    assert [r[:5] for r in rows[1:]] == [
+        ["overridden", "dense", "dense", "0.5", "1"],
+        ["overridden", "dense", "dense", "0.5", "2"],
+        ["learn-only", "naive", "h2o", "0.5", "1"],  # keep ratio: recorded nowhere, from params.yaml
+    ]
+
+
 def test_report_defaults_fill_params_and_unknown_config(tmp_path, monkeypatch):
     _run(tmp_path, "proj", [1], params={"learner": {"kl_lambda": 0.2}})  # objective etc. take schema defaults
     bare = _run(tmp_path, "bare", [1])  # neither params.yaml nor a recorded config

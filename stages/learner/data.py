@@ -17,7 +17,7 @@ import torch
 from schemas.errors import SmdInputError
 from schemas.mask_store import MaskStore, open_mask_store, read_mask_rows
 from schemas.params.learner import LearnerParams
-from schemas.tables import read_table
+from schemas.tables import read_table, table_config
 from stages.learner.metrics import check_finite
 from stages.learner.objectives import group_advantages
 from stages.learner.shadow_attention import pad_evict_at
@@ -38,6 +38,7 @@ class LearnerData:
     mask_rows: np.ndarray
     groups: np.ndarray  # [N] int64 GRPO group of each row (one per prompt_id)
     store: MaskStore | None = field(default=None, repr=False)
+    rollout_config: dict = field(default_factory=dict)  # the config the trajectory table records (its producer's)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -117,6 +118,7 @@ def load_learner_data(
                            eps=cfg.advantage_eps, scale=cfg.advantage_scale)
     data = LearnerData(
         trajectories_path=traj_path,
+        rollout_config=table_config(table),
         masks_path=Path(masks_path) if masks_path is not None else None,
         trajectory_ids=cols["trajectory_id"],
         prompt_ids=cols["prompt_token_ids"],

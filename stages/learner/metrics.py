@@ -1,9 +1,12 @@
-"""Rollout/learner mismatch metrics (verl/TRL names) and a finiteness guard.
+"""Rollout/learner mismatch metrics and a finiteness guard.
+
+Names: where a metric carries verl's name (`rollout_corr/*` in verl's rollout-correction helper) it has
+verl's definition; quantities verl does not define get names of their own (token_ratio_*, seq_kish_ess).
 
 Direction: the samples come from the rollout policy, so the KL estimated on them is
 KL(pi_rollout || pi_learner) = E_{o ~ pi_rollout}[log pi_rollout(o) - log pi_learner(o)].
 Under SMD, before the first optimizer step, pi_learner (shadow-masked) == pi_rollout and every metric is
-neutral (kl 0, diff 0, ratios 1, ess 1) up to float error (docs/design.md: max |diff| <= 1e-5); afterwards
+neutral (kl 0, diff 0, ratios 1, ESS 1) up to float error (docs/design.md: max |diff| <= 1e-5); afterwards
 they measure policy drift. For the dense baselines they measure the context mismatch.
 """
 
@@ -35,37 +38,52 @@ def check_finite(name: str, tensor: Tensor, mask: Tensor | None = None) -> None:
         )
 
 
-def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, float]:
+NEUTRAL = {
+    "mismatch/kl": 0.0,
+    "mismatch/k3_kl": 0.0,
+    "mismatch/logprob_abs_diff_mean": 0.0,
+    "mismatch/logprob_abs_diff_max": 0.0,
+    "mismatch/token_ratio_mean": 1.0,
+    "mismatch/token_ratio_min": 1.0,
+    "mismatch/token_ratio_max": 1.0,
+    "mismatch/seq_kish_ess": 1.0,
+    "mismatch/rollout_is_mean": 1.0,
+    "mismatch/rollout_is_min": 1.0,
+    "mismatch/rollout_is_max": 1.0,
+    "mismatch/rollout_is_eff_sample_size": 1.0,
+}
+
+
+def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0) -> dict[str, float]:
     """Mismatch between the learner's and the rollout's log-probs of the sampled tokens, `[B, T]` each.
 
     With d_t = learner_logp_t - rollout_logp_t over valid tokens (token means over all valid tokens):
-      mismatch/kl                      mean(-d_t): k1 estimate of KL(pi_rollout || pi_learner)
-      mismatch/k3_kl                   mean(exp(d_t) - 1 - d_t): k3 estimate of the same KL (>= 0)
+      mismatch/kl                      mean(-d_t): k1 estimate of KL(pi_rollout || pi_learner) (verl's
+                                       rollout_corr/kl)
+      mismatch/k3_kl                   mean(exp(d_t) - 1 - d_t): k3 estimate of the same KL (>= 0; verl's
+                                       rollout_corr/k3_kl)
       mismatch/logprob_abs_diff_mean   mean |d_t|
       mismatch/logprob_abs_diff_max    max |d_t|
-      mismatch/is_ratio_{mean,min,max} token ratio exp(d_t) = pi_learner / pi_rollout
-      mismatch/ess                     normalised effective sample size of the sequence-level weights
-                                       w_i = exp(sum_t d_it): (sum w)^2 / (N sum w^2) in (0, 1], over the N
-                                       sequences with at least one valid token (log-space, no overflow).
-    Python floats. No valid token gives the neutral values (0, 0, 0, 0, 1, 1, 1, 1).
+      mismatch/token_ratio_{mean,min,max}  raw token ratio exp(d_t) = pi_learner / pi_rollout
+      mismatch/seq_kish_ess            Kish normalised effective sample size of the unclamped sequence-level
+                                       weights w_i = exp(sum_t d_it): (sum w)^2 / (N sum w^2) in (0, 1], over
+                                       the N sequences with at least one valid token (log space, no overflow)
+      mismatch/rollout_is_{mean,min,max}  verl's rollout_is_* (token level, truncate mode): the token weights
+                                       min(exp(d_t), cap)
+      mismatch/rollout_is_eff_sample_size  verl's rollout_is_eff_sample_size: with the token weights clamped to
+                                       [1/cap, cap] and w_norm = w / mean(w), 1 / mean(w_norm^2) in (0, 1]
+    `cap` is verl's rollout_is_threshold (learner.tis_cap). Python floats. No valid token gives `NEUTRAL`.
     """
     if learner_logp.shape != rollout_logp.shape or mask.shape != learner_logp.shape:
         raise SmdInputError(
             f"mismatch_metrics: shapes differ: learner_logp {tuple(learner_logp.shape)}, "
             f"rollout_logp {tuple(rollout_logp.shape)}, mask {tuple(mask.shape)}"
         )
+    if not cap >= 1:
+        raise SmdInputError(f"mismatch_metrics: cap must be >= 1, got {cap}")
     valid = mask if mask.dtype == torch.bool else mask != 0
     if not valid.any():
-        return {
-            "mismatch/kl": 0.0,
-            "mismatch/k3_kl": 0.0,
-            "mismatch/logprob_abs_diff_mean": 0.0,
-            "mismatch/logprob_abs_diff_max": 0.0,
-            "mismatch/is_ratio_mean": 1.0,
-            "mismatch/is_ratio_min": 1.0,
-            "mismatch/is_ratio_max": 1.0,
-            "mismatch/ess": 1.0,
-        }
+        return dict(NEUTRAL)
     with torch.no_grad():
         d_full = torch.where(
             valid, learner_logp.double() - rollout_logp.double(), torch.zeros((), dtype=torch.float64)
@@ -75,13 +93,21 @@ def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -
         seq_log_w = d_full.sum(dim=-1)[valid.any(dim=-1)]
         n = seq_log_w.numel()
         log_ess = 2 * torch.logsumexp(seq_log_w, 0) - math.log(n) - torch.logsumexp(2 * seq_log_w, 0)
+        log_cap = math.log(cap)
+        truncated = torch.exp(d.clamp(max=log_cap))
+        w = torch.exp(d.clamp(-log_cap, log_cap))
+        w_norm = w / w.mean()
         return {
             "mismatch/kl": float((-d).mean()),
             "mismatch/k3_kl": float((torch.expm1(d) - d).mean()),
             "mismatch/logprob_abs_diff_mean": float(d.abs().mean()),
             "mismatch/logprob_abs_diff_max": float(d.abs().max()),
-            "mismatch/is_ratio_mean": float(ratio.mean()),
-            "mismatch/is_ratio_min": float(ratio.min()),
-            "mismatch/is_ratio_max": float(ratio.max()),
-            "mismatch/ess": float(torch.exp(log_ess).clamp(max=1.0)),
+            "mismatch/token_ratio_mean": float(ratio.mean()),
+            "mismatch/token_ratio_min": float(ratio.min()),
+            "mismatch/token_ratio_max": float(ratio.max()),
+            "mismatch/seq_kish_ess": float(torch.exp(log_ess).clamp(max=1.0)),
+            "mismatch/rollout_is_mean": float(truncated.mean()),
+            "mismatch/rollout_is_min": float(truncated.min()),
+            "mismatch/rollout_is_max": float(truncated.max()),
+            "mismatch/rollout_is_eff_sample_size": float((1.0 / (w_norm * w_norm).mean()).clamp(max=1.0)),
         }

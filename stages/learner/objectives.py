@@ -9,13 +9,21 @@ Conventions (every function):
   weights, the dense teacher) is detached inside the function, so a caller that forgot `no_grad` cannot leak
   gradient into it.
 
-Objectives (docs/design.md), `objective_loss` composes them:
-- smd:       pg(masked_logp vs rollout_logp) + kl_lambda * KL(sg[pi_dense] || pi_masked)
-- shadow:    pg(masked_logp vs rollout_logp)                     (no dense pass)
-- dense:     pg(dense_logp vs rollout_logp)                      (naive: ignores the context mismatch)
-- tis:       pg(dense_logp vs old_logp) * min(pi_old / pi_rollout, C)        (truncated IS, verl-style)
-- sparse_rl: pg over kept sequences * min(pi_old / pi_rollout, C)            (rejection + reweighting)
-plus `ref_kl_coef * KL(pi || pi_ref)` when a reference is configured.
+Objectives (docs/design.md section 7, each matched to its source), `objective_loss` composes them:
+- smd:          pg(masked_logp vs rollout_logp) + kl_lambda * KL(sg[pi_dense] || pi_masked)
+- shadow:       pg(masked_logp vs rollout_logp)                     (no dense pass)
+- naive:        pg(dense_logp vs old_logp), old = the dense learner's log-probs before the first update (ratio 1
+                at the first step), the rollout/learner mismatch ignored: what a framework (verl, slime, OpenRLHF
+                with recomputed old log-probs) does when its rollout engine compresses the KV cache.
+- naive_bypass: pg(dense_logp vs rollout_logp): the sparse rollout's log-probs taken as the old policy (verl's
+                "bypass" of the old-log-prob recomputation); the ratio is pi_dense / pi_sparse from the first step.
+- dense:        the same rule as naive_bypass, named for dense rollouts, where the two log-probs coincide.
+- tis:          pg(dense_logp vs old_logp) * min(pi_old / pi_rollout, C)  (verl's decoupled truncated IS)
+- sparse_rl:    Sparse-RL (arXiv 2601.10079; the official lsjia/Sparse-RL code, slime `mis` configuration):
+                pg(dense_logp vs old_logp) over the kept tokens of the kept sequences, each weighted by
+                min(pi_old / pi_rollout, 1.5) normalised to mean 1 over the mini-batch; per-sequence token mean.
+plus `ref_kl_coef * KL(pi || pi_ref)` when a reference is configured. Every policy term is dual-clipped
+(verl's clip_ratio_c = 3) where A < 0.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ from torch import Tensor
 from schemas.errors import SmdInputError
 from schemas.params.learner import LOSS_AGGS, OBJECTIVES, REF_KL_KINDS, TIS_LEVELS, LearnerParams
 
+# Objectives whose proximal old log-probs are the dense learner's before the first update (the parity pass).
+RECOMPUTED_OLD = ("naive", "tis", "sparse_rl")
+# Objectives that take the rollout's log-probs as the old policy.
+ROLLOUT_OLD = ("smd", "shadow", "naive_bypass", "dense")
+
 __all__ = [
     "OBJECTIVES",
     "LOSS_AGGS",
@@ -41,7 +54,11 @@ __all__ = [
     "reference_kl",
     "tis_weights",
     "sparse_rl_rejection",
+    "sparse_rl_weight_sums",
+    "sparse_rl_rules",
     "objective_loss",
+    "loss_agg_for",
+    "RECOMPUTED_OLD",
     "objective_kwargs",
     "token_entropy",
     "zero_advantage_group_fraction",
@@ -196,17 +213,23 @@ def policy_loss(
     clip_eps_high: float = 0.2,
     loss_agg: str = "token_mean",
     token_weights: Tensor | None = None,
+    dual_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO/GRPO clipped surrogate. Returns (loss, stats).
+    """PPO/GRPO clipped surrogate, optionally dual-clipped. Returns (loss, stats).
 
     ratio_t = exp(logp_t - old_logp_t) (log-ratio clamped to +-20 against overflow);
     loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps_low, 1 + clip_eps_high) * A) * w_t,
     with A = advantages[b] broadcast over the sequence and w_t = token_weights (1 if None; detached),
     reduced by `aggregate(loss_agg)`. Default clip is symmetric 0.2 (PPO/GRPO); DAPO's clip-higher sets
     clip_eps_high=0.28. Where the clipped branch is active the token gets no gradient.
+    Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl's `clip_ratio_c`, default 3):
+    where A < 0, loss_t = min(loss_t, -dual_clip_c * A) before the weight, i.e. a token whose ratio exceeds c
+    with a negative advantage contributes at most c * |A| and no gradient (verl's compute_policy_loss).
+    None = off.
 
     stats (python floats, over valid tokens): pg/clipfrac (fraction of tokens on the clipped branch),
-    pg/ratio_mean, pg/ratio_min, pg/ratio_max, pg/approx_kl (mean of old_logp - logp).
+    pg/dual_clipfrac (fraction capped by the dual clip), pg/ratio_mean, pg/ratio_min, pg/ratio_max,
+    pg/approx_kl (mean of old_logp - logp).
     """
     _same_shape("old_logp", old_logp, logp, "logp")
     valid = _valid(mask, logp)
@@ -216,12 +239,19 @@ def policy_loss(
         raise SmdInputError(
             f"clip range: need 0 < clip_eps_low < 1 and clip_eps_high > 0, got {clip_eps_low}, {clip_eps_high}"
         )
+    if dual_clip_c is not None and not dual_clip_c > 1:
+        raise SmdInputError(f"dual_clip_c must be > 1 (or None = off), got {dual_clip_c}")
     log_ratio = (logp - old_logp.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = advantages.detach().to(ratio.dtype).unsqueeze(-1)
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(surr, surr_clipped)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip_c is not None:
+        cap = -dual_clip_c * adv
+        dual = (adv < 0) & (per_token > cap)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
     if token_weights is not None:
         _same_shape("token_weights", token_weights, logp, "logp")
         per_token = per_token * token_weights.detach().to(per_token.dtype)
@@ -233,6 +263,7 @@ def policy_loss(
             r = ratio[valid]
             stats = {
                 "pg/clipfrac": float((surr_clipped < surr)[valid].float().mean()),
+                "pg/dual_clipfrac": float(dual[valid].float().mean()),
                 "pg/ratio_mean": float(r.mean()),
                 "pg/ratio_min": float(r.min()),
                 "pg/ratio_max": float(r.max()),
@@ -241,6 +272,7 @@ def policy_loss(
         else:
             stats = {
                 "pg/clipfrac": 0.0,
+                "pg/dual_clipfrac": 0.0,
                 "pg/ratio_mean": 1.0,
                 "pg/ratio_min": 1.0,
                 "pg/ratio_max": 1.0,
@@ -346,43 +378,77 @@ def sparse_rl_rejection(
     rollout_logp: Tensor,
     mask: Tensor,
     *,
-    seq_ratio_max: float = 2.0,
-    token_ratio_min: float = 0.01,
-    cap: float = 2.0,
-) -> tuple[Tensor, Tensor, float]:
-    """Sparse-RL: sparsity-aware rejection sampling + importance-based token reweighting.
+    cap: float = 1.5,
+    token_ratio_low: float = 0.5,
+    token_ratio_high: float = 1.5,
+    veto_threshold: float = 1e-4,
+    seq_ratio_max: float | None = None,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Sparse-RL's sparsity-aware rejection and importance reweighting, before batch normalisation.
 
-    With the per-token ratio xi_t = pi_dense(o_t) / pi_rollout(o_t) = exp(learner_logp_t - rollout_logp_t)
-    (learner = dense context, rollout = sparse sampler), a sequence is REJECTED when
-      (a) its geometric-mean ratio exp(mean_t log xi_t) lies outside [1/seq_ratio_max, seq_ratio_max], i.e.
-          |mean_t log xi_t| > log(seq_ratio_max)  (the whole trajectory drifted), or
-      (b) some valid token has xi_t < token_ratio_min (the sparse sampler produced a token the dense policy
-          deems implausible: an anomalous trajectory). token_ratio_min = 0 disables (b).
-    A sequence with no valid token is kept (nothing to judge; it contributes nothing).
-    Kept sequences get truncated token IS weights min(xi_t, cap); rejected ones and padding get 0.
+    Source: Sparse-RL (arXiv 2601.10079) as its official code runs it (lsjia/Sparse-RL, slime's masked
+    importance sampling `mis` with the configuration of its R-KV runs). With the per-token ratio
+    xi_t = pi_dense(o_t) / pi_rollout(o_t) = exp(learner_logp_t - rollout_logp_t):
+      - veto: a sequence holding a valid token with xi_t < veto_threshold (1e-4) is dropped whole (0 = off);
+      - token mask: a token with xi_t outside [token_ratio_low, token_ratio_high] ([0.5, 1.5]) is masked out;
+      - optional, off by default (verl's `geometric` mode, not in the official configuration): a sequence whose
+        geometric-mean ratio exp(mean_t log xi_t) lies outside [1/seq_ratio_max, seq_ratio_max] is dropped;
+      - weight: w_t = min(xi_t, cap) (cap 1.5) on the kept tokens, 0 elsewhere.
+    The batch normalisation (weights / their mean over the kept tokens of the whole mini-batch) is the caller's
+    (`objective_loss`, with the mean from `sparse_rl_weight_sums` when the mini-batch is split).
 
-    Returns (keep [B] bool, token_weights [B, T] detached, rejected fraction of the B sequences).
+    Returns (keep [B, T] bool: the valid tokens that stay in the loss, weights [B, T] detached (0 where not
+    kept), stats): rejection/seq_fraction = sequences with valid tokens but none kept / sequences with valid
+    tokens; rejection/token_fraction = valid tokens not kept / valid tokens (0 when there is none).
     """
     _same_shape("rollout_logp", rollout_logp, learner_logp, "learner_logp")
     valid = _valid(mask, learner_logp)
-    if not seq_ratio_max >= 1:
-        raise SmdInputError(f"sparse_rl seq_ratio_max must be >= 1, got {seq_ratio_max}")
-    if not 0 <= token_ratio_min <= 1:
-        raise SmdInputError(f"sparse_rl token_ratio_min must be in [0, 1], got {token_ratio_min}")
+    if not cap > 0:
+        raise SmdInputError(f"sparse_rl importance-weight cap must be > 0, got {cap}")
+    if not 0 <= token_ratio_low <= 1 <= token_ratio_high:
+        raise SmdInputError(
+            f"sparse_rl token window: need 0 <= low <= 1 <= high, got [{token_ratio_low}, {token_ratio_high}]"
+        )
+    if not 0 <= veto_threshold <= 1:
+        raise SmdInputError(f"sparse_rl veto_threshold must be in [0, 1], got {veto_threshold}")
+    if seq_ratio_max is not None and not seq_ratio_max >= 1:
+        raise SmdInputError(f"sparse_rl seq_ratio_max must be >= 1 (or None = off), got {seq_ratio_max}")
     with torch.no_grad():
         d = torch.where(
             valid,
-            learner_logp.float() - rollout_logp.float(),
-            torch.zeros_like(learner_logp, dtype=torch.float32),
+            learner_logp.double() - rollout_logp.double(),
+            torch.zeros((), dtype=torch.float64, device=learner_logp.device),
         )
-        mean_d = d.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)
-        keep = mean_d.abs() <= math.log(seq_ratio_max)
-        if token_ratio_min > 0:
-            keep &= ~((d < math.log(token_ratio_min)) & valid).any(dim=-1)
-        weights = tis_weights(learner_logp, rollout_logp, valid, level="token", cap=cap)
-        weights = weights * keep.unsqueeze(-1).to(weights.dtype)
-        rejected = float((~keep).float().mean()) if keep.numel() else 0.0
-    return keep, weights, rejected
+        seq_keep = torch.ones(valid.shape[:-1], dtype=torch.bool, device=valid.device)
+        if veto_threshold > 0:
+            seq_keep &= ~((d < math.log(veto_threshold)) & valid).any(dim=-1)
+        if seq_ratio_max is not None:
+            mean_d = d.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)
+            seq_keep &= mean_d.abs() <= math.log(seq_ratio_max)
+        keep = valid & seq_keep.unsqueeze(-1)
+        if token_ratio_low > 0:
+            keep &= d >= math.log(token_ratio_low)
+        keep &= d <= math.log(token_ratio_high)
+        w = torch.exp(d.clamp(max=math.log(cap))).to(torch.float32)
+        weights = torch.where(keep, w, torch.zeros_like(w))
+        has = valid.any(dim=-1)
+        n_seq, n_tok = int(has.sum()), int(valid.sum())
+        stats = {
+            "rejection/seq_fraction": float((has & ~keep.any(dim=-1)).sum()) / n_seq if n_seq else 0.0,
+            "rejection/token_fraction": float((valid & ~keep).sum()) / n_tok if n_tok else 0.0,
+        }
+    return keep, weights, stats
+
+
+def sparse_rl_weight_sums(
+    learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, **rules: Any
+) -> tuple[Tensor, Tensor]:
+    """Per sequence: (number of kept tokens [B], sum of their truncated weights [B]) under `sparse_rl_rejection`
+    with `rules`. The mean weight of a mini-batch = sum of the weight sums / sum of the kept counts over its
+    rows: the learner computes it from the proximal log-probs before the first update, so that every
+    micro-batch normalises by the whole mini-batch's mean (as the official code normalises over the batch)."""
+    keep, weights, _ = sparse_rl_rejection(learner_logp, rollout_logp, mask, **rules)
+    return keep.sum(dim=-1), weights.double().sum(dim=-1)
 
 
 # ------------------------------------------------------------------------------------------ composition
@@ -408,13 +474,19 @@ def objective_loss(
     temperature: float = 1.0,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
+    dual_clip_c: float | None = 3.0,
     loss_agg: str = "token_mean",
     ref_kl_coef: float = 0.0,
     ref_kl_kind: str = "k3",
     tis_level: str = "token",
     tis_cap: float = 2.0,
-    sparse_rl_seq_ratio_max: float = 2.0,
-    sparse_rl_token_ratio_min: float = 0.01,
+    sparse_rl_is_cap: float = 1.5,
+    sparse_rl_token_ratio_low: float = 0.5,
+    sparse_rl_token_ratio_high: float = 1.5,
+    sparse_rl_veto_threshold: float = 1e-4,
+    sparse_rl_seq_ratio_max: float | None = None,
+    sparse_rl_batch_normalize: bool = True,
+    sparse_rl_weight_mean: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """One objective of docs/design.md. Returns (total loss to backpropagate, terms for logging).
 
@@ -423,18 +495,24 @@ def objective_loss(
       mask           [B, T] valid response tokens.
       rollout_logp   [B, T] log-probs the sparse rollout recorded (the behaviour policy).
       masked_logp    [B, T] learner log-probs under the shadow mask (with grad) - smd, shadow.
-      dense_logp     [B, T] learner log-probs with the full context (with grad) - dense, tis, sparse_rl.
+      dense_logp     [B, T] learner log-probs with the full context (with grad) - naive, naive_bypass, dense,
+                     tis, sparse_rl.
       masked_logits, dense_logits [B, T, V] response-position logits (before temperature) - smd with
                      kl_lambda > 0. The dense ones are detached here. For shadow they are optional and only
                      logged.
-      old_logp       [B, T] proximal policy for the ratio. Default: rollout_logp for smd/shadow/dense (the
-                     shadow policy *is* the rollout policy; the naive dense baseline pretends so);
-                     dense_logp.detach() for tis/sparse_rl (their IS weights correct old -> rollout). With
-                     several updates per batch pass the first pass's detached logp.
+      old_logp       [B, T] proximal policy for the ratio. Default: rollout_logp for smd/shadow (the shadow
+                     policy *is* the rollout policy) and naive_bypass/dense (the rollout's log-probs taken as
+                     the old policy); dense_logp.detach() for naive/tis/sparse_rl (the dense learner's own
+                     log-probs before the update). The learner passes the parity pass's log-probs, so the ratio
+                     is exactly 1 at the first step and the reference across several updates per batch.
       ref_logp       [B, T] reference-policy log-probs, needed when ref_kl_coef > 0.
+    sparse_rl: `sparse_rl_rejection` with the sparse_rl_* rules, then (sparse_rl_batch_normalize) the weights
+      divided by `sparse_rl_weight_mean`, the mean weight over the kept tokens of the whole mini-batch (None:
+      computed on this batch, i.e. the batch is the mini-batch). The loss aggregates over the kept tokens only;
+      pass loss_agg="seq_mean_token_mean" for the official per-sequence token mean (`loss_agg_for` does).
     Loss: total = pg_loss + kl_lambda * kl_dense (smd only) + ref_kl_coef * kl_ref.
     terms: pg_loss, kl_dense, kl_ref, total (python floats) plus pg/* stats, and for tis/sparse_rl
-    is_weight/mean and rejection/seq_fraction.
+    is_weight/mean, rejection/seq_fraction and rejection/token_fraction.
     """
     _check_choice("objective", objective, OBJECTIVES)
     if not kl_lambda >= 0:
@@ -448,32 +526,40 @@ def objective_loss(
     if objective in ("smd", "shadow"):
         _need(objective, masked_logp=masked_logp)
         logp = masked_logp
-        old = rollout_logp if old_logp is None else old_logp
     else:
         _need(objective, dense_logp=dense_logp)
         logp = dense_logp
-        if objective == "dense":
-            old = rollout_logp if old_logp is None else old_logp
-        else:
-            old = dense_logp.detach() if old_logp is None else old_logp
-            if objective == "tis":
-                token_weights = tis_weights(old, rollout_logp, valid, level=tis_level, cap=tis_cap)
-                extra["rejection/seq_fraction"] = 0.0
-            else:
-                keep, token_weights, rejected = sparse_rl_rejection(
-                    old,
-                    rollout_logp,
-                    valid,
-                    seq_ratio_max=sparse_rl_seq_ratio_max,
-                    token_ratio_min=sparse_rl_token_ratio_min,
-                    cap=tis_cap,
-                )
-                valid = valid & keep.unsqueeze(-1)
-                extra["rejection/seq_fraction"] = rejected
-            n = int(valid.sum())
-            extra["is_weight/mean"] = float(token_weights[valid].mean()) if n else 0.0
     assert logp is not None
     _same_shape("learner logp", logp, rollout_logp, "rollout_logp")
+    if old_logp is not None:
+        old = old_logp
+    else:
+        old = rollout_logp if objective in ROLLOUT_OLD else logp.detach()
+    if objective == "tis":
+        token_weights = tis_weights(old, rollout_logp, valid, level=tis_level, cap=tis_cap)
+        extra["rejection/seq_fraction"] = extra["rejection/token_fraction"] = 0.0
+    elif objective == "sparse_rl":
+        keep, token_weights, rejection = sparse_rl_rejection(
+            old,
+            rollout_logp,
+            valid,
+            cap=sparse_rl_is_cap,
+            token_ratio_low=sparse_rl_token_ratio_low,
+            token_ratio_high=sparse_rl_token_ratio_high,
+            veto_threshold=sparse_rl_veto_threshold,
+            seq_ratio_max=sparse_rl_seq_ratio_max,
+        )
+        valid = keep
+        if sparse_rl_batch_normalize:
+            mean = sparse_rl_weight_mean
+            if mean is None:
+                mean = float(token_weights[keep].double().mean()) if bool(keep.any()) else 1.0
+            if not mean > 0:
+                raise SmdInputError(f"sparse_rl_weight_mean must be > 0, got {mean}")
+            token_weights = token_weights / mean
+        extra.update(rejection)
+    if token_weights is not None:
+        extra["is_weight/mean"] = float(token_weights[valid].mean()) if bool(valid.any()) else 0.0
 
     pg, stats = policy_loss(
         logp,
@@ -484,6 +570,7 @@ def objective_loss(
         clip_eps_high=clip_eps_high,
         loss_agg=loss_agg,
         token_weights=token_weights,
+        dual_clip_c=dual_clip_c,
     )
     total = pg
 
@@ -521,6 +608,25 @@ def objective_loss(
     return total, terms
 
 
+def loss_agg_for(params: LearnerParams) -> str:
+    """The aggregation an objective runs with: `sparse_rl_loss_agg` for sparse_rl (the official per-sequence
+    token mean by default), else `loss_agg`."""
+    if params.objective == "sparse_rl" and params.sparse_rl_loss_agg is not None:
+        return params.sparse_rl_loss_agg
+    return params.loss_agg
+
+
+def sparse_rl_rules(params: LearnerParams) -> dict[str, Any]:
+    """`sparse_rl_rejection`'s keyword arguments from the `learner:` section."""
+    return {
+        "cap": params.sparse_rl_is_cap,
+        "token_ratio_low": params.sparse_rl_token_ratio_low,
+        "token_ratio_high": params.sparse_rl_token_ratio_high,
+        "veto_threshold": params.sparse_rl_veto_threshold,
+        "seq_ratio_max": params.sparse_rl_seq_ratio_max,
+    }
+
+
 def objective_kwargs(params: LearnerParams, temperature: float = 1.0) -> dict[str, Any]:
     """The hyperparameters of `objective_loss` from the `learner:` section (temperature from `rollout:`)."""
     return {
@@ -528,11 +634,16 @@ def objective_kwargs(params: LearnerParams, temperature: float = 1.0) -> dict[st
         "temperature": temperature,
         "clip_eps_low": params.clip_eps_low,
         "clip_eps_high": params.clip_eps_high,
-        "loss_agg": params.loss_agg,
+        "dual_clip_c": params.dual_clip_c,
+        "loss_agg": loss_agg_for(params),
         "ref_kl_coef": params.ref_kl_coef,
         "ref_kl_kind": params.ref_kl_kind,
         "tis_level": params.tis_level,
         "tis_cap": params.tis_cap,
+        "sparse_rl_is_cap": params.sparse_rl_is_cap,
+        "sparse_rl_token_ratio_low": params.sparse_rl_token_ratio_low,
+        "sparse_rl_token_ratio_high": params.sparse_rl_token_ratio_high,
+        "sparse_rl_veto_threshold": params.sparse_rl_veto_threshold,
         "sparse_rl_seq_ratio_max": params.sparse_rl_seq_ratio_max,
-        "sparse_rl_token_ratio_min": params.sparse_rl_token_ratio_min,
+        "sparse_rl_batch_normalize": params.sparse_rl_batch_normalize,
     }

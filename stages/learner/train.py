@@ -6,15 +6,17 @@ Flow of `learn(...)`, one named step each:
      DeepSpeed engine (torch AdamW, ZeRO stage from params), resume the optimizer state saved beside the
      starting policy when present. Bad input: SmdInputError, nothing written.
   2. `parity_pass` (no gradient, before any optimizer step): learner log-probs of every response token --
-     shadow-masked for smd/shadow, dense for dense/tis/sparse_rl -- against the rollout's. smd/shadow refuse
+     shadow-masked for smd/shadow, dense for the dense learners -- against the rollout's. smd/shadow refuse
      to train when max |delta| > learner.parity_tol (the mask does not reproduce the sampler: training would
-     be silently off-policy). The same numbers are the proximal `old_logp` of tis/sparse_rl.
+     be silently off-policy). The same numbers are the proximal `old_logp` of naive/tis/sparse_rl (the
+     dense learner's log-probs before the first update: naive's ratio is exactly 1 at the first step), and
+     they fix sparse_rl's rejection and its batch-normalisation constant per mini-batch.
   3. `train_step` x (epochs x updates_per_epoch): per micro-batch (`micro_step`) the shadow-masked forward
-     with gradient (smd, shadow) or the dense one (dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
+     with gradient (smd, shadow) or the dense one (naive, naive_bypass, dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
      prompt, prefilled densely) are the same for both and run once (`response_logits_with_teacher`);
      `objective_loss`. Each micro-batch loss is weighted by its share of the mini-batch's aggregation
-     denominator (valid tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
+     denominator (valid kept tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
      gradient over micro-batches and processes equals the gradient of the objective on the whole mini-batch.
      Per step: loss terms, clip fraction, approx KL, entropy, zero-advantage groups, grad norm, mismatch.
   4. `write_outputs`: atomically write `out_dir` (Hugging Face policy + tokenizer + trainer_state/) and
@@ -59,9 +61,12 @@ from stages.learner.engine import (
 )
 from stages.learner.metrics import check_finite, mismatch_metrics
 from stages.learner.objectives import (
+    RECOMPUTED_OLD,
+    loss_agg_for,
     objective_kwargs,
     objective_loss,
-    sparse_rl_rejection,
+    sparse_rl_rules,
+    sparse_rl_weight_sums,
     token_entropy,
     token_logprobs,
     zero_advantage_group_fraction,
@@ -136,10 +141,12 @@ def _padded(rows: list[int], values: dict[int, np.ndarray], data: LearnerData) -
     return learner, rollout, mask
 
 
-def batch_mismatch(rows: list[int], values: dict[int, np.ndarray], data: LearnerData) -> dict[str, float]:
-    """`mismatch_metrics` of learner log-probs `values` against the rollout's over `rows`."""
+def batch_mismatch(rows: list[int], values: dict[int, np.ndarray], data: LearnerData,
+                   cap: float = 2.0) -> dict[str, float]:
+    """`mismatch_metrics` of learner log-probs `values` against the rollout's over `rows` (`cap`: the
+    truncation of the rollout_is_* metrics, learner.tis_cap)."""
     learner, rollout, mask = _padded(rows, values, data)
-    return mismatch_metrics(learner, rollout, mask)
+    return mismatch_metrics(learner, rollout, mask, cap)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -173,21 +180,47 @@ def make_plan(data: LearnerData, cfg: LearnerParams, ctx: DistContext, seed: int
     return steps, grad_accum
 
 
-def row_denominators(data: LearnerData, cfg: LearnerParams, old: dict[int, np.ndarray]) -> np.ndarray:
-    """Per row, its share of `aggregate(loss_agg)`'s denominator: valid (kept) tokens, or 1 per sequence with
-    any. sparse_rl's rejection is per sequence, computed here from the proximal log-probs as the loss does."""
-    out = np.zeros(len(data), dtype=np.float64)
-    for r in range(len(data)):
-        n = len(data.response_ids[r])
-        if n and cfg.objective == "sparse_rl":
-            lp = torch.from_numpy(old[r]).unsqueeze(0)
-            keep, _, _ = sparse_rl_rejection(lp, torch.from_numpy(data.rollout_logprobs[r]).unsqueeze(0),
-                                             torch.ones(1, n, dtype=torch.bool),
-                                             seq_ratio_max=cfg.sparse_rl_seq_ratio_max,
-                                             token_ratio_min=cfg.sparse_rl_token_ratio_min, cap=cfg.tis_cap)
-            n = n if bool(keep[0]) else 0
-        out[r] = n if cfg.loss_agg == "token_mean" else float(n > 0)
-    return out
+@dataclass
+class RowWeights:
+    """Per row of the batch, fixed before the first update from the proximal (parity-pass) log-probs:
+    `tokens` its valid tokens, `kept` those that stay in the loss (sparse_rl's rejection; = tokens for every
+    other objective), `weight_sum` the sum of sparse_rl's truncated weights over the kept ones (0 otherwise),
+    `denom` its share of `aggregate(loss_agg)`'s denominator (kept tokens, or 1 per sequence with any)."""
+
+    tokens: np.ndarray
+    kept: np.ndarray
+    weight_sum: np.ndarray
+    denom: np.ndarray
+
+    def rejection(self, rows: list[int] | np.ndarray) -> dict[str, float]:
+        """sparse_rl's rejected fractions over `rows`: sequences with tokens but none kept, and tokens."""
+        tokens, kept = self.tokens[rows], self.kept[rows]
+        n_seq, n_tok = int((tokens > 0).sum()), int(tokens.sum())
+        return {"rejection/seq_fraction": float(((tokens > 0) & (kept == 0)).sum() / n_seq) if n_seq else 0.0,
+                "rejection/token_fraction": float(1.0 - kept.sum() / n_tok) if n_tok else 0.0}
+
+    def weight_mean(self, rows: list[int] | np.ndarray) -> float | None:
+        """The mean sparse_rl weight over the kept tokens of the mini-batch `rows` (None when none is kept)."""
+        kept = float(self.kept[rows].sum())
+        return float(self.weight_sum[rows].sum()) / kept if kept > 0 else None
+
+
+def row_weights(data: LearnerData, cfg: LearnerParams, old: dict[int, np.ndarray]) -> RowWeights:
+    """`RowWeights` of the batch; sparse_rl's rejection computed from the proximal log-probs as the loss does."""
+    n_rows = len(data)
+    tokens = np.array([len(data.response_ids[r]) for r in range(n_rows)], dtype=np.float64)
+    kept, weight_sum = tokens.copy(), np.zeros(n_rows, dtype=np.float64)
+    if cfg.objective == "sparse_rl":
+        rules = sparse_rl_rules(cfg)
+        for r in range(n_rows):
+            n = int(tokens[r])
+            if n:
+                k, w = sparse_rl_weight_sums(torch.from_numpy(old[r]).unsqueeze(0),
+                                             torch.from_numpy(data.rollout_logprobs[r]).unsqueeze(0),
+                                             torch.ones(1, n, dtype=torch.bool), **rules)
+                kept[r], weight_sum[r] = float(k[0]), float(w[0])
+    denom = kept if loss_agg_for(cfg) == "token_mean" else (kept > 0).astype(np.float64)
+    return RowWeights(tokens=tokens, kept=kept, weight_sum=weight_sum, denom=denom)
 
 
 # ------------------------------------------------------------------------------------------ collectives
@@ -209,8 +242,8 @@ def _gather_dict(local: dict[int, np.ndarray], ctx: DistContext) -> dict[int, np
 class StepStats:
     """Per-step accumulation of loss terms (weighted by the micro-batch's share) and per-row log-probs."""
 
-    SUMMED = ("pg_loss", "kl_dense", "kl_ref", "total", "pg/clipfrac", "pg/ratio_mean", "pg/approx_kl",
-              "is_weight/mean")
+    SUMMED = ("pg_loss", "kl_dense", "kl_ref", "total", "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean",
+              "pg/approx_kl", "is_weight/mean")
 
     def __init__(self) -> None:
         self.weighted: dict[str, float] = {}
@@ -241,7 +274,7 @@ class StepStats:
         self.entropy_sum += float(entropy[mb.valid].sum())
         self.response_tokens += int(mb.valid.sum())
 
-    def reduce(self, ctx: DistContext, data: LearnerData, rows: list[int]) -> dict[str, float]:
+    def reduce(self, ctx: DistContext, data: LearnerData, rows: list[int], cap: float) -> dict[str, float]:
         parts = _gather((self.weighted, self.ratio_min, self.ratio_max, self.logp, self.dense_logp, self.tokens,
                          self.entropy_sum, self.response_tokens), ctx)
         weighted: dict[str, float] = {}
@@ -263,6 +296,7 @@ class StepStats:
             "loss/kl_ref": weighted.get("kl_ref", 0.0),
             "loss/total": weighted.get("total", 0.0),
             "pg/clipfrac": weighted.get("pg/clipfrac", 0.0),
+            "pg/dual_clipfrac": weighted.get("pg/dual_clipfrac", 0.0),
             "pg/ratio_mean": weighted.get("pg/ratio_mean", 1.0),
             "pg/ratio_min": rmin if math.isfinite(rmin) else 1.0,
             "pg/ratio_max": rmax if math.isfinite(rmax) else 1.0,
@@ -277,9 +311,9 @@ class StepStats:
         }
         if "is_weight/mean" in weighted:
             out["is_weight/mean"] = weighted["is_weight/mean"]
-        out.update(batch_mismatch(rows, logp, data))
+        out.update(batch_mismatch(rows, logp, data, cap))
         if dense:
-            d = batch_mismatch(rows, dense, data)
+            d = batch_mismatch(rows, dense, data, cap)
             out["dense_mismatch/logprob_abs_diff_mean"] = d["mismatch/logprob_abs_diff_mean"]
             out["dense_mismatch/logprob_abs_diff_max"] = d["mismatch/logprob_abs_diff_max"]
         return out
@@ -388,7 +422,7 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
     for r in all_rows:
         check_finite(f"learner log-probs of trajectory {data.trajectory_ids[r]}", torch.from_numpy(old[r]))
-    parity = batch_mismatch(all_rows, old, data)
+    parity = batch_mismatch(all_rows, old, data, cfg.tis_cap)
     ref = None
     if run.ref_model is not None:
         run.ref_model.to(ctx.device)
@@ -408,10 +442,11 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
 
 
 def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, np.ndarray],
-               ref: dict[int, np.ndarray] | None) -> tuple[dict[str, float], MicroBatch, torch.Tensor, torch.Tensor | None,
+               ref: dict[int, np.ndarray] | None, weight_mean: float | None = None) -> tuple[dict[str, float], MicroBatch, torch.Tensor, torch.Tensor | None,
                                                           torch.Tensor]:
     """Forward (masked and/or dense as the objective needs), objective, backward of one micro-batch scaled by
-    `weight` (its share of the mini-batch's aggregation denominator). Returns (loss terms, micro-batch, policy
+    `weight` (its share of the mini-batch's aggregation denominator; `weight_mean`: sparse_rl's normalisation
+    constant over the whole mini-batch). Returns (loss terms, micro-batch, policy
     log-probs, dense-teacher log-probs or None, per-token entropy)."""
     cfg, masked, temperature, module = run.cfg, run.masked, run.temperature, run.module
     backend = cfg.attention_backend
@@ -427,24 +462,25 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
             dense_logp = token_logprobs(dense_sel, targets, temperature).masked_fill(~valid, 0.0)
     else:
         sel, logp = forward_logp(module, mb, masked, backend, temperature)
-    old_t = _rows_tensor(rows, old, mb) if cfg.objective in ("tis", "sparse_rl") else None
+    old_t = _rows_tensor(rows, old, mb) if cfg.objective in RECOMPUTED_OLD else None
     ref_t = _rows_tensor(rows, ref, mb) if ref is not None else None
     loss, terms = objective_loss(
         cfg.objective, advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
         masked_logp=logp if masked else None, dense_logp=None if masked else logp,
         masked_logits=sel if masked else None, dense_logits=dense_sel,
-        old_logp=old_t, ref_logp=ref_t, **objective_kwargs(cfg, temperature),
+        old_logp=old_t, ref_logp=ref_t, sparse_rl_weight_mean=weight_mean, **objective_kwargs(cfg, temperature),
     )
     run.engine.backward(loss * (weight * run.ctx.world), scale_wrt_gas=False)
     run.engine.step()
     return terms, mb, logp, dense_logp, token_entropy(sel, temperature)
 
 
-def train_step(run: LearnerRun, step: Step, denom: np.ndarray, old: dict[int, np.ndarray],
+def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, np.ndarray],
                ref: dict[int, np.ndarray] | None) -> dict[str, Any] | None:
     """One optimizer step over a mini-batch (its micro-batches accumulate); the step's record, or None when the
     mini-batch has no valid token left."""
     t_step = time.perf_counter()
+    denom = weights.denom
     total = float(denom[step.rows].sum())
     if total == 0:
         run.say(f"step skipped (epoch {step.epoch}): no valid token left in the mini-batch")
@@ -453,14 +489,16 @@ def train_step(run: LearnerRun, step: Step, denom: np.ndarray, old: dict[int, np
     for group in run.engine.optimizer.param_groups:
         group["lr"] = lr
     stats = StepStats()
+    weight_mean = weights.weight_mean(step.rows) if run.cfg.objective == "sparse_rl" else None
     for rows, real in step.micro:
         weight = float(denom[rows].sum()) / total if real else 0.0
-        terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref)
+        terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weight_mean)
         if real:
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
     run.global_step += 1
     grad_norm = run.engine.get_global_grad_norm()
-    record = stats.reduce(run.ctx, run.data, step.rows)
+    record = stats.reduce(run.ctx, run.data, step.rows, run.cfg.tis_cap)
+    record.update(weights.rejection(step.rows))
     seconds = time.perf_counter() - t_step
     record.update({"step": run.global_step, "epoch": step.epoch, "seconds": seconds, "lr": lr,
                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")})
@@ -515,9 +553,9 @@ def learn(
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
     run = setup(params, iteration, Path(policy_path), trajectories_path, masks_path, log)
     old, ref, parity = parity_pass(run)
-    denom = row_denominators(run.data, run.cfg, old)
-    series = [r for r in (train_step(run, step, denom, old, ref) for step in run.steps) if r is not None]
-    metrics = _summary(run, parity, series, denom, time.perf_counter() - t_start)
+    weights = row_weights(run.data, run.cfg, old)
+    series = [r for r in (train_step(run, step, weights, old, ref) for step in run.steps) if r is not None]
+    metrics = _summary(run, parity, series, weights, time.perf_counter() - t_start)
     write_outputs(run, out_dir, metrics_dir, metrics, series)
     return {
         "policy": out_dir,
@@ -536,16 +574,16 @@ def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch)
 
 
 # Headline of metrics.json (DVC metrics); details.json beside it holds the whole record.
-HEADLINE = ("mismatch/logprob_abs_diff_max", "mismatch/kl", "rejection/seq_fraction", "policy/entropy", "pg/clipfrac",
+HEADLINE = ("mismatch/logprob_abs_diff_max", "mismatch/kl", "mismatch/rollout_is_eff_sample_size",
+            "rejection/seq_fraction", "rejection/token_fraction", "policy/entropy", "pg/clipfrac",
             "batch/zero_adv_group_frac", "learner/seconds_per_step", "learner/peak_rss_mb")
 
 
-def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], denom: np.ndarray,
+def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], weights: RowWeights,
              seconds: float) -> dict[str, Any]:
     """The learn record: parity (before any step) under mismatch/*, step means under loss/*, pg/*, policy/*,
     timing and memory under learner/*, the config it ran with."""
     cfg, data, ctx = run.cfg, run.data, run.ctx
-    has_tokens = np.array([len(r) > 0 for r in data.response_ids])
     train_seconds = sum(s["seconds"] for s in series)
     out: dict[str, Any] = {
         "iteration": run.iteration,
@@ -556,8 +594,8 @@ def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], deno
         "reward/mean": float(np.mean(data.rewards)),
         "reward/std": float(np.std(data.rewards)),
         **parity,
-        # sparse_rl's rejection (sequences with tokens but a zero denominator); 0 for every other objective
-        "rejection/seq_fraction": float((has_tokens & (denom == 0)).sum() / len(data)),
+        # sparse_rl's rejection over the whole batch, before the first update; 0 for every other objective
+        **weights.rejection(np.arange(len(data))),
         "learner/steps": len(series),
         "learner/global_step": run.global_step,
         "learner/resumed_optimizer": run.resumed is not None,
@@ -566,13 +604,16 @@ def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], deno
         "learner/seconds_per_step": train_seconds / len(series) if series else 0.0,
         "learner/seconds": seconds,
         "learner/peak_rss_mb": _peak_rss_mb(),
+        # the config it ran with; `rollout` is the producing config recorded in the trajectory table
+        # (eviction policy and keep ratio of the rollouts it learned from: what `smdctl report` labels by)
         "config": {"learner": cfg.model_dump(), "rollout.temperature": run.temperature, "seed": run.params.seed,
-                   "policy": str(run.policy_path), "trajectories": str(data.trajectories_path)},
+                   "policy": str(run.policy_path), "trajectories": str(data.trajectories_path),
+                   "rollout": data.rollout_config.get("rollout", {})},
     }
     if ctx.device.type == "cuda":
         out["learner/peak_device_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-    keys = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total", "pg/clipfrac", "pg/ratio_mean", "pg/approx_kl",
-            "grad_norm", "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
+    keys = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total", "pg/clipfrac", "pg/dual_clipfrac",
+            "pg/ratio_mean", "pg/approx_kl", "grad_norm", "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
     for key in keys:
         values = [s[key] for s in series if key in s and math.isfinite(s[key])]
         if values:

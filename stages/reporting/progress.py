@@ -14,8 +14,9 @@ from schemas.errors import SmdInputError
 
 HEADLINE = {
     "rollout": ["reward/mean", "kv/kept_fraction", "rollout/tokens_per_s"],
-    "learn": ["mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean", "mismatch/kl", "mismatch/ess",
-              "rejection/seq_fraction", "loss/total", "grad_norm", "policy/entropy", "pg/clipfrac",
+    "learn": ["mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean", "mismatch/kl",
+              "mismatch/rollout_is_eff_sample_size", "mismatch/seq_kish_ess", "rejection/seq_fraction",
+              "rejection/token_fraction", "loss/total", "grad_norm", "policy/entropy", "pg/clipfrac",
               "batch/zero_adv_group_frac"],
     "evaluate": ["eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match",
                  "eval/dense/reference_nll"],

@@ -2,12 +2,15 @@
 
 Inputs (any mix):
 - run directories: an `artifacts/` tree (or a project directory holding one) with
-  `iter-NNN/{rollout,learn,evaluate}/metrics.json`. The run's parameters come from `params.yaml` beside
-  `artifacts/` when present (schema defaults fill the keys it omits), else from the `config` that
-  `smdctl evaluate` stores in its details.json beside the metrics (any metrics or details file with a
-  `config` tree or dotted keys counts).
+  `iter-NNN/{rollout,learn,evaluate}/metrics.json`. A run is labelled from its artifacts: the producing
+  config that the stages record beside their metrics (`config` in details.json or metrics.json: evaluate
+  records learner.objective and rollout.eviction, learn its learner section and the rollout config of the
+  trajectory table it learned from; a `config` tree or dotted keys count). Only a key no artifact records is
+  taken from `params.yaml` beside `artifacts/` (schema defaults fill the keys it omits): a run made with
+  `-S` overrides is labelled by what ran, not by the params file it sits beside.
 - the output of `dvc exp show --json` (a list of experiment states, experiments nested under their
-  baseline): params from each experiment's params files, metrics from its `iter-NNN/<stage>/metrics.json`.
+  baseline): metrics from its `iter-NNN/<stage>/metrics.json`; labels from the config those record, else
+  from the experiment's params files.
 
 One row per (run, iteration) with: objective (learner.objective), policy (rollout.eviction.policy),
 keep_ratio (rollout.eviction.keep_ratio), reward/mean (rollout), eval dense / compressed score (evaluate),
@@ -157,19 +160,23 @@ def load_run(run_dir: str | Path) -> Run:
             f"{run_dir}: no metrics: expected {artifacts}/iter-NNN/{{rollout,learn,evaluate}}/metrics.json "
             "(run the pipeline first, or pass another run directory)"
         )
+    recorded = _config_from_metrics(metrics)
+    details = _config_from_metrics(_details(artifacts, metrics))
+    config = {key: details[key] if value is None else value for key, value in recorded.items()}
+    source = f"{run_dir} (params: recorded in its artifacts)"
     params_file = root / "params.yaml"
-    if params_file.is_file():
+    if any(value is None for value in config.values()) and params_file.is_file():
         try:
             tree = yaml.safe_load(params_file.read_text()) or {}
         except yaml.YAMLError as exc:
             raise SmdInputError(f"{params_file}: not valid YAML ({exc.__class__.__name__})") from exc
         if not isinstance(tree, dict):
             raise SmdInputError(f"{params_file}: top level must be a mapping of sections")
-        config, source = _config_from_params(tree), f"{run_dir} (params: {params_file})"
-    else:
-        config, source = _config_from_metrics(metrics), f"{run_dir} (params: recorded in metrics)"
-        recorded = _config_from_metrics(_details(artifacts, metrics))
-        config = {key: recorded[key] if value is None else value for key, value in config.items()}
+        from_params = _config_from_params(tree)
+        missing = [key for key, value in config.items() if value is None]
+        config = {key: from_params[key] if value is None else value for key, value in config.items()}
+        source = (f"{run_dir} (params: {params_file})" if len(missing) == len(config)
+                  else f"{run_dir} (params: recorded in its artifacts; {', '.join(missing)} from {params_file})")
     name = root.resolve().name or str(root)
     return Run(name=name, source=source, config=config, metrics=metrics)
 
@@ -219,14 +226,10 @@ def parse_dvc_exp_show(data: Any, source: str = "dvc exp show") -> tuple[list[Ru
         for result in (body.get("params") or {}).values():
             if isinstance(result, dict) and isinstance(result.get("data"), dict):
                 tree.update(result["data"])
+        config = _config_from_metrics(metrics)  # what the artifacts record ran first, then the params files
         if tree:
-            config = _config_from_params(tree)
-            recorded = _config_from_metrics(metrics)
-            for key, dotted in PARAM_KEYS.items():  # a key absent from the params files: prefer the recording
-                if _dotted(tree, dotted) is None and recorded[key] is not None:
-                    config[key] = recorded[key]
-        else:
-            config = _config_from_metrics(metrics)
+            from_params = _config_from_params(tree)
+            config = {key: from_params[key] if value is None else value for key, value in config.items()}
         runs.append(Run(name=str(name), source=f"{source}: {rev}", config=config, metrics=metrics))
     # The workspace repeats the experiment last applied (`dvc exp run` leaves its results there): keep one.
     for ws in [r for r in runs if r.source.endswith(": workspace")]:
