@@ -15,10 +15,18 @@ def register(app: typer.Typer) -> None:
     def init_model(
         params: ParamsOption = Path("params.yaml"),
         overrides: SetOption = None,
-        out: Annotated[Path | None, typer.Option(help="Output directory (default: model.init_path).")] = None,
+        out: Annotated[
+            Path | None,
+            typer.Option(help="Output directory (default: model.init_path); never a directory smd did not create."),
+        ] = None,
     ) -> None:
-        """Build the tiny Qwen3-architecture default model and its word-level tokenizer."""
-        from stages.model import init_tiny_model
+        """Build the tiny Qwen3-architecture default model and its word-level tokenizer.
+
+        When model.init_path is a model directory smd did not create (your Hugging Face model), nothing is
+        built and the directory is left untouched; its name is recorded in artifacts/model/init/source.json.
+        A directory smd did not create is never replaced.
+        """
+        from stages.model import init_model as run_init_model
 
         p = load(params, overrides)
-        echo_written(guarded(lambda: init_tiny_model(p.model.tiny, out or p.model.init_path, seed=p.seed)))
+        echo_written(guarded(lambda: run_init_model(p.model, seed=p.seed, out=out)))

@@ -30,6 +30,10 @@ def register(app: typer.Typer) -> None:
         if check:
             guarded(lambda: check_iterations_file(out, p.pipeline.num_iterations))
             return
-        with atomic_path(out) as tmp:
-            tmp.write_text(iterations_yaml(p.pipeline.num_iterations))
+        guarded(lambda: _write(out, iterations_yaml(p.pipeline.num_iterations)))
         typer.echo(f"wrote {out}: {p.pipeline.num_iterations} iteration(s)")
+
+
+def _write(out: Path, text: str) -> None:
+    with atomic_path(out) as tmp:  # refuses (one line) a directory smd did not create
+        tmp.write_text(text)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from cli.common import ParamsOption, SetOption, load
+from cli.common import ParamsOption, SetOption, guarded, load
 from schemas.atomic import atomic_path
 
 
@@ -26,5 +26,9 @@ def register(app: typer.Typer) -> None:
         if write is None:
             typer.echo(text)
             return
-        with atomic_path(write) as tmp:
-            tmp.write_text(text)
+        guarded(lambda: _write(write, text))
+
+
+def _write(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:  # refuses (one line) a directory smd did not create
+        tmp.write_text(text)

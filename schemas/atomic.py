@@ -1,13 +1,26 @@
-"""Atomic writes: build an artifact at a temporary sibling path, then rename it into place."""
+"""Atomic writes: build an artifact at a temporary sibling path, then rename it into place.
+
+Ownership: every directory written through `atomic_path` carries a marker file (`.smd-owner`, constant
+content, so reruns stay byte-identical); a Zarr store carries it as its root metadata instead (Zarr warns
+about any stray file in a group): `zarr.json` whose attributes hold smd's `kind` and `schema_version`.
+`atomic_path` replaces an existing directory only when it is smd's by that rule (or is empty): smd never
+deletes or overwrites a directory it did not create, such as a user's model directory given as an output.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from schemas.errors import SmdInputError
+
+OWNER_MARKER = ".smd-owner"
+OWNER_TEXT = "This directory was written by smd (schemas/atomic.py); smd may replace it.\n"
 
 
 def _remove(path: Path) -> None:
@@ -17,17 +30,63 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _zarr_root(path: Path) -> bool:
+    return (path / "zarr.json").is_file()
+
+
+def owned_by_smd(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory smd created: it holds the ownership marker, or it is a Zarr store
+    whose root attributes carry smd's `kind` and `schema_version`."""
+    path = Path(path)
+    if (path / OWNER_MARKER).is_file():
+        return True
+    if not _zarr_root(path):
+        return False
+    try:
+        attrs = json.loads((path / "zarr.json").read_text()).get("attributes") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(attrs, dict) and "kind" in attrs and "schema_version" in attrs
+
+
+def is_foreign_dir(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory smd must not replace: a non-empty directory that is not smd's, or a
+    link to a directory (smd never creates links, so a link is the user's)."""
+    path = Path(path)
+    if path.is_symlink():
+        return path.is_dir()
+    if not path.is_dir() or owned_by_smd(path):
+        return False
+    return any(path.iterdir())
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """One line (SmdInputError) when `path` is a directory smd did not create and may therefore not replace."""
+    if is_foreign_dir(path):
+        raise SmdInputError(
+            f"{path}: an existing directory smd did not create (no {OWNER_MARKER} marker); refusing to replace "
+            "it. Move it away or choose another output path"
+        )
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `final`; on success replace `final` with it, on error delete it.
 
     Works for files and directories (Zarr stores, model folders): readers never see a partial artifact.
+    A directory built at the temporary path gets the ownership marker (a Zarr store: its root attributes
+    instead, which its writer sets). An existing `final` that is a
+    directory smd did not create is refused (SmdInputError), before and after the body runs.
     """
     final = Path(final)
+    check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         yield tmp
+        if tmp.is_dir() and not tmp.is_symlink() and not _zarr_root(tmp):
+            (tmp / OWNER_MARKER).write_text(OWNER_TEXT)
+        check_replaceable(final)  # something may have appeared at `final` while the body ran
     except BaseException:
         _remove(tmp)
         raise

@@ -6,6 +6,8 @@ Every stage writes two JSON files into its output directory:
 - `details.json` beside it, not a DVC metric: the whole record (the headline figures too), with the
   detailed statistics (per-head retention, checks, samples) and the configuration the stage ran with.
 A headline key `a.b` picks `b` inside the record's `a` (nested the same way in the headline file).
+Like every other artifact, both carry `schema_version`; details.json also always carries `config`, the
+configuration the stage ran with (`write_metrics` refuses a record without one).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from schemas.atomic import atomic_path
 
 DETAILS = "details.json"
+METRICS_SCHEMA_VERSION = 1
 
 
 def details_path(metrics_path: str | Path) -> Path:
@@ -44,14 +47,22 @@ def headline(record: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def write_metrics(path: str | Path, record: dict[str, Any], keys: Sequence[str]) -> dict[str, Path]:
-    """Write the headline of `record` to `path` and the whole record to details.json beside it (each atomically).
+def write_metrics(path: str | Path, record: dict[str, Any], keys: Sequence[str],
+                  config: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write the headline of `record` to `path` and the whole record to details.json beside it (each atomically),
+    both with `schema_version`; details.json gets `config` (the record's own `config`, else the one passed).
 
     Returns {"metrics": path, "details": details path}.
     """
     path = Path(path)
+    details = {**record, "schema_version": METRICS_SCHEMA_VERSION}
+    if config is not None:
+        details["config"] = config
+    if not isinstance(details.get("config"), dict):
+        raise ValueError(f"{path}: a stage's metrics record must carry the config it ran with")
     written = {"metrics": path, "details": details_path(path)}
-    for target, data in ((written["details"], record), (path, headline(record, keys))):
+    brief = {**headline(record, keys), "schema_version": METRICS_SCHEMA_VERSION}
+    for target, data in ((written["details"], details), (path, brief)):
         with atomic_path(target) as tmp:
             tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return written

@@ -8,6 +8,7 @@ in its place through `model.init_path`.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from schemas.atomic import atomic_path
+from schemas.atomic import atomic_path, is_foreign_dir
 from schemas.errors import SmdInputError
-from schemas.params.model import TinyModelParams
+from schemas.params.model import ModelParams, TinyModelParams
 from stages.vocab import tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
@@ -78,6 +79,49 @@ def init_tiny_model(shape: TinyModelParams, out_dir: str | Path, seed: int = 0) 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(out_dir)
+
+
+# init-model's own output (dvc.yaml's `outs` of the init-model stage): the default model.init_path.
+DEFAULT_INIT_DIR = Path(ModelParams.model_fields["init_path"].default)
+EXTERNAL_RECORD = "source.json"
+EXTERNAL_KIND = "external_model"
+EXTERNAL_SCHEMA_VERSION = 1
+
+
+def init_model(model: ModelParams, seed: int = 0, out: str | Path | None = None) -> dict[str, Path]:
+    """`smdctl init-model`: build the tiny default at `out` (default: model.init_path), or, when
+    model.init_path is a model directory smd did not create (a user's Hugging Face model), leave it untouched
+    and record which model the pipeline starts from in init-model's own output directory (so `dvc exp run
+    -S model.init_path=DIR` runs the whole pipeline from DIR). Never replaces a directory smd did not create:
+    an explicit `out`, or a model.init_path that is not a model directory, is refused with one line."""
+    target = Path(out if out is not None else model.init_path)
+    if out is None and is_foreign_dir(target):
+        if not (target / "config.json").is_file():
+            raise SmdInputError(
+                f"model.init_path {target}: an existing directory smd did not create and not a Hugging Face "
+                "model directory (no config.json); refusing to touch it"
+            )
+        if target.resolve() == DEFAULT_INIT_DIR.resolve():
+            raise SmdInputError(
+                f"model.init_path {target}: a model directory smd did not create sits at init-model's own output "
+                "path; refusing to replace it. Move it elsewhere and set model.init_path to it"
+            )
+        print(f"model.init_path {target}: a model directory smd did not create; using it as is (nothing built, "
+              "nothing written there)")
+        return {"record": record_external_model(target, DEFAULT_INIT_DIR)}
+    return {"model": init_tiny_model(model.tiny, target, seed=seed)}
+
+
+def record_external_model(init_path: Path, record_dir: Path) -> Path:
+    """Write `record_dir/source.json` naming the external model (path, top-level file names and sizes): the
+    init-model stage's output when the pipeline starts from a user's model, which it only reads."""
+    files = {p.name: p.stat().st_size for p in sorted(init_path.iterdir()) if p.is_file()}
+    record = {"schema_version": EXTERNAL_SCHEMA_VERSION, "kind": EXTERNAL_KIND, "init_path": str(init_path),
+              "files": files}
+    with atomic_path(record_dir) as tmp:
+        tmp.mkdir(parents=True)
+        (tmp / EXTERNAL_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return record_dir / EXTERNAL_RECORD
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

@@ -72,3 +72,10 @@ def make_inputs(
         "expected": per_mask_row,
         "eviction": eviction,
     }
+
+
+def empty_params(directory: Path) -> Path:
+    """An empty params file (all defaults; a params path that does not exist is an error)."""
+    path = Path(directory) / "defaults.yaml"
+    path.write_text("")
+    return path

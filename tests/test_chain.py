@@ -10,7 +10,7 @@ from cli.main import app
 from schemas.params import load_params
 from schemas.tables import read_table, write_table
 from stages.rollout.stage import rollout
-from tests.helpers import make_model_dir, random_prompts
+from tests.helpers import empty_params, make_model_dir, random_prompts
 
 SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
         "rollout.eviction.window=4", "rollout.eviction.sinks=2", "learner.micro_batch_size=4",
@@ -25,7 +25,7 @@ def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
                  "reference": "cat 12"} for i, ids in enumerate(random_prompts([20, 26, 23], seed=seed))]
         write_table(rows, data / f"{split}.arrow", "prompts")
     run = tmp_path / "run"
-    args = ["chain", "--run-dir", str(run), "--params", str(tmp_path / "none.yaml"), "--warmstart", str(model_dir),
+    args = ["chain", "--run-dir", str(run), "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir),
             "--data", str(data), *[x for s in SETS for x in ("-S", s)]]
     res = CliRunner().invoke(app, [*args, "--iterations", "2"])
     assert res.exit_code == 0, res.output
@@ -35,7 +35,7 @@ def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
         for path in ("rollout/trajectories.arrow", "compact/masks.zarr", "learn/metrics.json", "policy/config.json",
                      "evaluate/metrics.json", "progress.json"):
             assert (base / path).exists(), path
-    assert [r["iteration"] for r in json.loads((art / "iter-002" / "progress.json").read_text())] == [1, 2]
+    assert [r["iteration"] for r in json.loads((art / "iter-002" / "progress.json").read_text())["rows"]] == [1, 2]
     assert not (art / "iter-001" / "policy" / "trainer_state").exists()  # only the newest keeps optimizer state
     assert (art / "iter-002" / "policy" / "trainer_state").exists()
     # iteration 2 sampled with iteration 1's policy, exactly as the rollout stage does alone

@@ -25,7 +25,7 @@ from schemas.params.rollout import POLICIES
 from schemas.tables import write_table
 from stages.compaction import compact
 from stages.synthetic_rollouts import eviction_config
-from tests.helpers import make_inputs
+from tests.helpers import empty_params, make_inputs
 
 LENGTHS = [40, 97, 130, 64, 201]
 PROMPTS = [10, 30, 20, 64, 50]  # row 3 is all prompt (no decode query)
@@ -82,7 +82,8 @@ def test_metrics_and_retention(tmp_path):
     written = _compact(tmp_path, inp)
     m = json.loads(Path(written["details"]).read_text())
     headline = json.loads(Path(written["metrics"]).read_text())
-    assert set(headline) == {"rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s"}
+    assert set(headline) == {"rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s",
+                             "schema_version"}
     assert headline == {k: m[k] for k in headline}
     assert m["rows"] == len(LENGTHS) and m["tokens"] == sum(LENGTHS)
     assert m["bytes"]["raw_int32"] == sum(LENGTHS) * L * H * 4
@@ -321,6 +322,7 @@ def test_cli_compact_default_paths_and_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     inp = make_inputs(tmp_path / "artifacts" / "iter-002" / "rollout", "h2o", LENGTHS, PROMPTS, num_layers=L, num_kv_heads=H)
     assert inp["raw"].name == "masks.raw.zarr"
+    (tmp_path / "params.yaml").write_text("")  # the default --params (a missing file is an error)
     res = CliRunner().invoke(_app(), ["compact", "--iteration", "2", "-S", "compaction.chunk_rows=3"])
     assert res.exit_code == 0, res.output
     out = tmp_path / "artifacts" / "iter-002" / "compact"
@@ -336,7 +338,7 @@ def test_cli_compact_bad_input_exit_2(tmp_path):
     res = CliRunner().invoke(
         _app(),
         ["compact", "--trajectories", str(inp["trajectories"]), "--raw-masks", str(inp["raw"]),
-         "--out", str(tmp_path / "o" / "masks.zarr"), "--params", str(tmp_path / "none.yaml")],
+         "--out", str(tmp_path / "o" / "masks.zarr"), "--params", str(empty_params(tmp_path))],
     )
     assert res.exit_code == 2
     lines = [ln for ln in res.output.splitlines() if ln.strip()]

@@ -16,7 +16,7 @@ from schemas.params import load_params
 from schemas.tables import PROMPTS_SCHEMA, SCHEMA_VERSION, read_table, write_table
 from stages.evaluate import stage as evaluate_stage
 from stages.evaluate.stage import evaluate
-from tests.helpers import make_model_dir, random_prompts
+from tests.helpers import empty_params, make_model_dir, random_prompts
 
 REFERENCES = ["7, 3", "12", "4, 4, 9", "0"]
 
@@ -64,7 +64,7 @@ def test_evaluate_writes_predictions_and_metrics(setup, snapkv_run):
 
     headline = json.loads(out["metrics"].read_text())
     m = json.loads(out["details"].read_text())
-    assert headline == {k: m[k] for k in evaluate_stage.HEADLINE}  # the headline, and nothing else
+    assert headline == {**{k: m[k] for k in evaluate_stage.HEADLINE}, "schema_version": 1}  # the headline only
     assert m["iteration"] == 3 and m["eval/prompts"] == 4 and m["metric"] == "kv_fraction"
     for mode, part in (("dense", dense), ("compressed", comp)):
         assert m[f"eval/{mode}/score"] == pytest.approx(part.score.mean())
@@ -132,7 +132,7 @@ def test_cli_evaluate(setup, tmp_path):
     from cli.main import app
 
     root, model_dir, prompts = setup
-    base = ["evaluate", "--params", str(tmp_path / "none.yaml"), "-S", "evaluate.max_new_tokens=3",
+    base = ["evaluate", "--params", str(empty_params(tmp_path)), "-S", "evaluate.max_new_tokens=3",
             "-S", "evaluate.num_prompts=2", "--prompts", str(prompts)]
     bad = CliRunner().invoke(app, [*base, "--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert bad.exit_code == 2
@@ -167,7 +167,7 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
                        "mismatch/logprob_abs_diff_max": 1e-6, "mismatch/kl": 0.0, "eval/dense/score": 0.8,
                        "eval/compressed/score": 0.7, "eval/dense/exact_match": 0.6,
                        "eval/compressed/exact_match": 0.4}
-    assert json.loads(progress(1, tmp_path).read_text()) == [rows[1]]
+    assert json.loads(progress(1, tmp_path).read_text())["rows"] == [rows[1]]
     out = CliRunner().invoke(app, ["summary", "--artifacts", str(tmp_path)])
     assert out.exit_code == 0
     warm_line = next(line for line in out.output.splitlines() if "warm start" in line)

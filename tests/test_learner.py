@@ -26,7 +26,7 @@ from stages.learner.data import load_learner_data
 from stages.learner.train import HEADLINE, learn, score_rows
 from stages.model import load_policy
 from stages.rollout.stage import rollout
-from tests.helpers import make_model_dir, random_prompts
+from tests.helpers import empty_params, make_model_dir, random_prompts
 
 TOL = 1e-5
 BASE = {
@@ -138,8 +138,8 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
     m = json.loads(out["details"].read_text())
     assert m["mismatch/logprob_abs_diff_max"] <= TOL  # parity before the first step
     # the DVC metric holds the headline only; details.json the whole record (with the config it ran with)
-    assert json.loads(out["metrics"].read_text()) == {k: m[k] for k in HEADLINE if k in m}
-    assert m["config"]["learner"]["objective"] == "smd"
+    assert json.loads(out["metrics"].read_text()) == {k: m[k] for k in (*HEADLINE, "schema_version") if k in m}
+    assert m["schema_version"] == 1 and m["config"]["learner"]["objective"] == "smd"
     # the producing config of the rollouts it learned from, as the trajectory table records it (report labels)
     assert m["config"]["rollout"]["eviction"]["policy"] == "snapkv"
     for key in ("mismatch/kl", "mismatch/k3_kl", "mismatch/logprob_abs_diff_mean", "mismatch/token_ratio_mean",
@@ -265,7 +265,7 @@ def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
 
     from cli.main import app
 
-    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(tmp_path / "none.yaml"), "--policy",
+    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(empty_params(tmp_path)), "--policy",
                                    str(model_dir), "--trajectories", str(traj), "--masks", str(bad), "--out", str(out),
                                    "--metrics-dir", str(tmp_path / "iter-001" / "learn")])
     assert res.exit_code == 2, res.output
@@ -325,10 +325,10 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
 
     from cli.main import app
 
-    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(tmp_path / "none.yaml"), "-S",
+    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(empty_params(tmp_path)), "-S",
                                    "learner.kl_lambda=-1", "--policy", str(model_dir), "--out", str(out)])
     assert res.exit_code == 2 and "learner.kl_lambda" in res.output
-    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(tmp_path / "none.yaml"), "--policy",
+    res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(empty_params(tmp_path)), "--policy",
                                    str(model_dir), "--trajectories", str(traj), "--masks", str(other_masks),
                                    "--out", str(out), "--metrics-dir", str(tmp_path / "iter-001" / "learn")])
     assert res.exit_code == 2 and "num_rows" in res.output

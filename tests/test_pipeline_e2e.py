@@ -117,7 +117,7 @@ def test_dvc_pipeline_end_to_end(tmp_path):
         assert learn["mismatch/logprob_abs_diff_max"] <= 1e-5  # smd parity held before the first step
         assert (art / f"iter-{it}" / "policy" / "config.json").exists()
         read_table(art / f"iter-{it}" / "evaluate" / "predictions.arrow", "eval_predictions")
-        assert json.loads((art / f"iter-{it}" / "progress.json").read_text())[-1]["iteration"] == int(it)
+        assert json.loads((art / f"iter-{it}" / "progress.json").read_text())["rows"][-1]["iteration"] == int(it)
 
     # Nothing to do the second time.
     assert "Data and pipelines are up to date" in _run(["dvc", "status"], proj)

@@ -11,7 +11,7 @@ from schemas.masks import read_raw_masks
 from schemas.params import load_params
 from schemas.tables import read_table, write_table
 from stages.rollout.stage import rollout
-from tests.helpers import make_model_dir, random_prompts
+from tests.helpers import empty_params, make_model_dir, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_cli_exit_code_2_on_bad_params(setup, tmp_path):
     from cli.main import app
 
     root, model_dir, prompts = setup
-    result = CliRunner().invoke(app, ["rollout", "--params", str(tmp_path / "none.yaml"), "-S", "rollout.group_size=1",
+    result = CliRunner().invoke(app, ["rollout", "--params", str(empty_params(tmp_path)), "-S", "rollout.group_size=1",
                                       "--policy", str(model_dir), "--prompts", str(prompts),
                                       "--out", str(tmp_path / "o")])
     assert result.exit_code == 2

@@ -65,7 +65,8 @@ def test_smoke_run_writes_loadable_policy_and_metrics(setup):
     written = run_warmstart(p.warmstart, p.model, root / "data", root / "ws", seed=0)
     assert set(written) == {"policy", "metrics", "details"}
     headline = json.loads(written["metrics"].read_text())
-    assert set(headline) == {"exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes"}
+    assert set(headline) == {"exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes",
+                             "schema_version"}
     assert headline["reference_nll"] > 0
     metrics = json.loads(written["details"].read_text())
     assert metrics["steps"] == 3 and metrics["task"] == "kv_retrieval" and metrics["metric"] == "kv_fraction"

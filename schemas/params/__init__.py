@@ -145,17 +145,23 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> Params:
-    """Read params.yaml (missing file = all defaults), apply overrides, validate.
+    """Read params.yaml (`path=None`: all defaults), apply overrides, validate.
 
-    Raises SmdInputError with one line naming the file and the key on any problem.
+    Raises SmdInputError with one line naming the file and the key on any problem; a params file that does
+    not exist is an error (a mistyped path must not run on the defaults).
     """
     tree: dict[str, Any] = {}
-    source = str(path) if path else "<defaults>"
-    if path is not None and Path(path).exists():
+    source = str(path) if path is not None else "<defaults>"
+    if path is not None:
+        if not Path(path).is_file():
+            what = "is a directory, not a params file" if Path(path).is_dir() else "params file not found"
+            raise SmdInputError(f"{source}: {what} (an empty file means all defaults)")
         try:
             tree = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as exc:
             raise SmdInputError(f"{source}: not valid YAML ({exc.__class__.__name__})") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SmdInputError(f"{source}: unreadable ({exc.__class__.__name__})") from exc
         if not isinstance(tree, dict):
             raise SmdInputError(f"{source}: top level must be a mapping of sections")
     apply_overrides(tree, overrides)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The eviction policy names: the one list. stages.kvcache.policies registers one class under each name
 # (and fails at import if a name has none); benches, tests and synthetic rollouts take the names from here.
@@ -54,8 +54,20 @@ class RolloutParams(BaseModel):
     group_size: int = Field(8, ge=2, description="Responses per prompt (G); GRPO needs at least 2.")
     max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs are of this distribution.")
-    top_k: int = Field(0, ge=0, description="0 = off (default: truncation biases ratios).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off.")
+    top_k: int = Field(0, ge=0, description="Must stay 0 (off): the learner scores the full softmax.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Must stay 1.0 (off): the learner scores the full softmax.")
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
     shard_rows: int = Field(0, ge=0, description="Rows per raw-mask shard (0 = one shard).")
     eviction: EvictionParams = EvictionParams()
+
+    @field_validator("top_k", "top_p")
+    @classmethod
+    def _no_truncation(cls, value: float, info) -> float:
+        off = 0 if info.field_name == "top_k" else 1.0
+        if value != off:
+            raise ValueError(
+                f"{value} is not supported, only {off} (off): the sampler would draw from a truncated, renormalised "
+                "distribution while the learner (parity gate, ratios, KL, dense baselines) scores the full softmax "
+                "at rollout.temperature, a different policy"
+            )
+        return value

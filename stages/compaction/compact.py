@@ -267,4 +267,4 @@ def compact(
             },
         },
     }
-    return {"masks": out_path, **write_metrics(metrics_path, metrics, HEADLINE)}
+    return {"masks": out_path, **write_metrics(metrics_path, metrics, HEADLINE, config)}

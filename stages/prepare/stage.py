@@ -136,6 +136,6 @@ def run_prepare(
     written: dict[str, Path] = {}
     for split, rows in splits.items():
         written[split] = write_table(rows, out_dir / f"{split}.arrow", "prompts", {**config, "split": split})
-    stats_files = write_metrics(out_dir / "stats.json", stats, HEADLINE)
+    stats_files = write_metrics(out_dir / "stats.json", stats, HEADLINE, config)
     written["stats"], written["details"] = stats_files["metrics"], stats_files["details"]
     return written

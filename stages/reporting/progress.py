@@ -1,7 +1,8 @@
 """Per-iteration progress series for DVC plots and the default experiment's summary.
 
 `progress(i)` gathers, for iterations 1..i, the headline numbers of rollout, learn and evaluate metrics
-into one JSON list (`artifacts/iter-NNN/progress.json`), which `dvc plots show` draws per iteration.
+into `artifacts/iter-NNN/progress.json`: `{"schema_version", "kind": "progress", "config", "rows": [...]}`,
+one row per iteration, which `dvc plots show` draws (it plots the file's list of rows).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from pathlib import Path
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+
+PROGRESS_SCHEMA_VERSION = 1
+PROGRESS_KIND = "progress"
 
 HEADLINE = {
     "rollout": ["reward/mean", "kv/kept_fraction", "rollout/tokens_per_s"],
@@ -48,8 +52,10 @@ def progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
     artifacts = Path(artifacts)
     rows = [iteration_row(artifacts, n) for n in range(1, iteration + 1)]
     out = artifacts / f"iter-{iteration:03d}" / "progress.json"
+    record = {"schema_version": PROGRESS_SCHEMA_VERSION, "kind": PROGRESS_KIND,
+              "config": {"iteration": iteration, "artifacts": str(artifacts)}, "rows": rows}
     with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(rows, indent=2))
+        tmp.write_text(json.dumps(record, indent=2))
     return out
 
 
@@ -60,7 +66,7 @@ def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
     warm = _read(artifacts / "warmstart" / "metrics.json")
     if warm:
         # The warm start's greedy eval is a dense one: report it under the evaluate stage's names.
-        row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float)}}
+        row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float) and k != "schema_version"}}
         for src, dst in (("reward", "eval/dense/score"), ("exact_match", "eval/dense/exact_match"),
                          ("reference_nll", "eval/dense/reference_nll")):
             if isinstance(warm.get(src), int | float):

@@ -181,7 +181,7 @@ def write_rollout(out_dir: str | Path, rows: list[dict[str, Any]], shards: list[
         tmp.mkdir(parents=True)
         write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
         write_raw_masks(tmp / "masks.raw.zarr", shards, num_layers, num_kv_heads, eviction)
-        write_metrics(tmp / "metrics.json", metrics, HEADLINE)
+        write_metrics(tmp / "metrics.json", metrics, HEADLINE, config)
     return {
         "trajectories": out_dir / "trajectories.arrow",
         "raw_masks": out_dir / "masks.raw.zarr",

@@ -171,7 +171,9 @@ def run_warmstart(
                                             [r["reference"] for r in evaluation], cfg.eval_batch_size)
     metrics = warmstart_metrics(train[0]["task"], result, log, len(examples.check), cfg.log_every, started,
                                 eval_started)
-    return write_warmstart(Path(out_dir), model, tokenizer, metrics)
+    config = {"warmstart": cfg.model_dump(), "model": {"init_path": model_cfg.init_path, "dtype": model_cfg.dtype},
+              "seed": seed, "data": str(data_dir)}
+    return write_warmstart(Path(out_dir), model, tokenizer, metrics, config)
 
 
 @dataclass
@@ -295,11 +297,12 @@ def warmstart_metrics(task: str, result: dict[str, Any], log: TrainLog, check_ro
     }
 
 
-def write_warmstart(out_dir: Path, model, tokenizer, metrics: dict[str, Any]) -> dict[str, Path]:
-    """Write the policy directory and the metrics, each atomically."""
+def write_warmstart(out_dir: Path, model, tokenizer, metrics: dict[str, Any],
+                    config: dict[str, Any]) -> dict[str, Path]:
+    """Write the policy directory and the metrics (details.json with the config it ran with), each atomically."""
     model.eval()
     policy = out_dir / "policy"
     with atomic_path(policy) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    return {"policy": policy, **write_metrics(out_dir / "metrics.json", metrics, HEADLINE)}
+    return {"policy": policy, **write_metrics(out_dir / "metrics.json", metrics, HEADLINE, config)}
