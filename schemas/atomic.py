@@ -3,8 +3,11 @@
 Ownership: every directory written through `atomic_path` carries a marker file (`.smd-owner`, constant
 content, so reruns stay byte-identical); a Zarr store carries it as its root metadata instead (Zarr warns
 about any stray file in a group): `zarr.json` whose attributes hold smd's `kind` and `schema_version`.
-`atomic_path` replaces an existing directory only when it is smd's by that rule (or is empty): smd never
-deletes or overwrites a directory it did not create, such as a user's model directory given as an output.
+DVC tracks a stage directory's files one by one (rollout/, learn/, evaluate/), so a checkout restores them
+without the marker: a directory holding only smd's stage files (`STAGE_FILES`), smd's temporaries and
+smd-owned directories counts as smd's too. `atomic_path` replaces an existing directory only when it is smd's
+by these rules (or is empty): smd never deletes or overwrites a directory it did not create, such as a
+user's model directory given as an output.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -21,6 +25,10 @@ from schemas.errors import SmdInputError
 
 OWNER_MARKER = ".smd-owner"
 OWNER_TEXT = "This directory was written by smd (schemas/atomic.py); smd may replace it.\n"
+# The files smd's stages write into their output directories (dvc.yaml tracks them one by one).
+STAGE_FILES = frozenset({"metrics.json", "details.json", "stats.json", "steps.json", "progress.json",
+                         "trajectories.arrow", "predictions.arrow", "train.arrow", "eval.arrow"})
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}$")  # atomic_path's own temporaries
 
 
 def _remove(path: Path) -> None:
@@ -36,17 +44,36 @@ def _zarr_root(path: Path) -> bool:
 
 def owned_by_smd(path: str | os.PathLike) -> bool:
     """True when `path` is a directory smd created: it holds the ownership marker, or it is a Zarr store
-    whose root attributes carry smd's `kind` and `schema_version`."""
+    whose root attributes carry smd's `kind` and `schema_version`, or it holds only smd's stage files,
+    temporaries and smd-owned directories (a stage directory DVC restored file by file)."""
     path = Path(path)
     if (path / OWNER_MARKER).is_file():
         return True
     if not _zarr_root(path):
-        return False
+        return _only_smd_entries(path)
     try:
         attrs = json.loads((path / "zarr.json").read_text()).get("attributes") or {}
     except (OSError, ValueError, AttributeError):
         return False
     return isinstance(attrs, dict) and "kind" in attrs and "schema_version" in attrs
+
+
+def _only_smd_entries(path: Path) -> bool:
+    """A non-empty directory whose entries are all smd's stage files, temporaries or smd-owned directories."""
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return False
+    for entry in entries:
+        if entry.is_symlink():
+            return False
+        if _TEMPORARY.match(entry.name):
+            continue
+        if entry.is_dir() and owned_by_smd(entry):
+            continue
+        if not (entry.is_file() and entry.name in STAGE_FILES):
+            return False
+    return bool(entries)
 
 
 def is_foreign_dir(path: str | os.PathLike) -> bool:

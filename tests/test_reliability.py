@@ -128,6 +128,26 @@ def test_zarr_stores_are_owned_through_their_metadata(tmp_path):
     assert _snapshot(foreign) == before
 
 
+def test_stage_directory_restored_file_by_file_stays_replaceable(tmp_path):
+    """DVC checks out rollout/, learn/, evaluate/ file by file (no marker): only smd's files there -> smd's."""
+    stage = tmp_path / "rollout"
+    stage.mkdir()
+    for name in ("metrics.json", "details.json", "trajectories.arrow"):
+        (stage / name).write_text("{}")
+    root = zarr.open_group(str(stage / "masks.raw.zarr"), mode="w")
+    root.attrs.update({"kind": "raw_masks", "schema_version": 1})
+    (stage / ".masks.raw.zarr.tmp-0123abcd").mkdir()  # a temporary left by a killed run
+    assert owned_by_smd(stage)
+    (stage / "model.safetensors").write_text("weights")  # anything else makes it someone else's
+    with pytest.raises(SmdInputError, match="did not create"), atomic_path(stage) as tmp:
+        tmp.mkdir()
+    (stage / "model.safetensors").unlink()
+    with atomic_path(stage) as tmp:
+        tmp.mkdir()
+        (tmp / "metrics.json").write_text("new")
+    assert sorted(p.name for p in stage.iterdir()) == [OWNER_MARKER, "metrics.json"]
+
+
 # --- commands and a user's directory -----------------------------------------------------------------------
 
 COMMANDS = {
