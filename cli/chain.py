@@ -21,7 +21,7 @@ import yaml
 
 from cli.common import ParamsOption, SetOption, guarded, load
 from cli.paths import ARTIFACTS, WARMSTART_POLICY
-from schemas.atomic import atomic_path
+from schemas.atomic import atomic_path, check_replaceable
 from schemas.params import Params, start_policy
 
 
@@ -47,8 +47,7 @@ def register(app: typer.Typer) -> None:
             if source.is_file() and not (art / "warmstart" / name).exists():
                 (art / "warmstart").mkdir(exist_ok=True)
                 shutil.copyfile(source, art / "warmstart" / name)
-        with atomic_path(run_dir / "params.yaml") as tmp:  # the effective params: what `smdctl report` labels by
-            tmp.write_text(yaml.safe_dump(p.model_dump(mode="json"), sort_keys=False))
+        guarded(partial(write_params, run_dir / "params.yaml", p))
         for n in range(1, total + 1):
             base = art / f"iter-{n:03d}"
             evaluated = n % eval_every == 0 or n == total
@@ -60,6 +59,12 @@ def register(app: typer.Typer) -> None:
             print(f"iteration {n}/{total} done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
+def write_params(path: Path, p: Params) -> None:
+    """The effective params of the chain: what `smdctl report` labels the run by."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(yaml.safe_dump(p.model_dump(mode="json"), sort_keys=False))
+
+
 def run_iteration(p: Params, n: int, policy: Path, base: Path, data: Path, evaluated: bool) -> None:
     """One iteration's stages in order, with the artifact paths dvc.yaml declares (relative to `base`)."""
     from stages.compaction import compact
@@ -69,7 +74,9 @@ def run_iteration(p: Params, n: int, policy: Path, base: Path, data: Path, evalu
     from stages.rollout.stage import rollout
 
     for stale in ("rollout", "compact", "learn", "policy", "evaluate"):
-        shutil.rmtree(base / stale, ignore_errors=True)  # a half-done iteration reruns whole
+        if (base / stale).exists():  # a half-done iteration reruns whole; never a directory smd did not write
+            check_replaceable(base / stale)
+            shutil.rmtree(base / stale)
     out = rollout(p, n, policy, data / "train.arrow", base / "rollout", show_progress=False)
     compact(p.compaction, out["trajectories"], out["raw_masks"], base / "compact" / "masks.zarr")
     learn(p, n, policy, out["trajectories"], base / "compact" / "masks.zarr", base / "policy", base / "learn")
