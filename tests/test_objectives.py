@@ -80,12 +80,15 @@ def test_group_arguments_are_validated():
         group_advantages(T([1.0, 2.0]), group_size=2, scale="rank")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.lists(st.floats(-1e3, 1e3), min_size=4, max_size=12).filter(lambda xs: len(xs) % 2 == 0))
 def test_advantages_are_finite_and_centred(values):
     adv = group_advantages(T(values, dtype=torch.float64), group_size=2)
     assert torch.isfinite(adv).all()
-    assert adv.view(-1, 2).sum(-1).abs().max() < 1e-9
+    # r - mean is exact up to a few ulps of |r|; dividing by (std + eps) >= eps can scale that rounding by 1/eps
+    # (e.g. rewards 1000 and 1000 - 1e-13: std ~1e-13, so the group's sum is ~1e-7 instead of 0)
+    bound = 1e-9 + 8 * torch.finfo(torch.float64).eps * max(abs(v) for v in values) / 1e-6
+    assert adv.view(-1, 2).sum(-1).abs().max() < bound
 
 
 # ---------------------------------------------------------------------------------------- policy loss

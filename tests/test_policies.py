@@ -44,7 +44,7 @@ def test_evict_tie_break_evicts_oldest():
     assert slots.slot_pos.tolist() == [[[-1, -1, 2, 3, 4]]]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.data())
 def test_single_victim_path_matches_the_sorting_rule(data):
     """`evict(at_most_one=True)` (decode fast path) == the general two-sort rule, ties included."""
