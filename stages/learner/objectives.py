@@ -134,11 +134,15 @@ def zero_advantage_group_fraction(rewards: Tensor, group_ids: Tensor) -> float:
     if rewards.numel() == 0:
         return 0.0
     inverse = torch.unique(group_ids, return_inverse=True)[1]
+    return float(_constant_groups(rewards.detach().double(), inverse).double().mean())
+
+
+def _constant_groups(r: Tensor, inverse: Tensor) -> Tensor:
+    """[G] bool: the groups (`inverse` [N] -> 0..G-1) whose values `r` [N] are all equal."""
     n_groups = int(inverse.max()) + 1
-    r = rewards.detach().double()
-    gmax = torch.full((n_groups,), -math.inf, dtype=torch.float64).scatter_reduce_(0, inverse, r, "amax")
-    gmin = torch.full((n_groups,), math.inf, dtype=torch.float64).scatter_reduce_(0, inverse, r, "amin")
-    return float((gmax == gmin).double().mean())
+    gmax = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inverse, r, "amax")
+    gmin = torch.full((n_groups,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inverse, r, "amin")
+    return gmax == gmin
 
 
 # ------------------------------------------------------------------------------------------- advantages
@@ -195,9 +199,7 @@ def group_advantages(
         std = torch.sqrt(sq / (count - 1).clamp(min=1))[inverse]
         centred = centred / (std + eps)
     # Exact zeros for constant groups (r - mean may be 1e-17 off in floating point) and singletons.
-    gmax = torch.full_like(count, -math.inf).scatter_reduce_(0, inverse, r, "amax")
-    gmin = torch.full_like(count, math.inf).scatter_reduce_(0, inverse, r, "amin")
-    flat = ((gmax == gmin) | (count < 2))[inverse]
+    flat = (_constant_groups(r, inverse) | (count < 2))[inverse]
     centred = torch.where(flat, torch.zeros_like(centred), centred)
     return centred.to(out_dtype)
 
