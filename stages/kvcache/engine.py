@@ -359,8 +359,8 @@ def prefill(model, prompts: list[list[int]], state: RolloutState, cache: Evictin
     mask = causal.unsqueeze(0) & (pos >= 0).unsqueeze(1)
     mask = mask | torch.eye(P, dtype=torch.bool).unsqueeze(0)  # padding queries see themselves (finite softmax)
     state.prefill_mask = mask.unsqueeze(1)
-    out = model(input_ids=input_ids, position_ids=pos.clamp(min=0), cache=cache, use_cache=True, logits_to_keep=1,
-                **kwargs)
+    out = model(input_ids=input_ids, position_ids=pos.clamp(min=0), past_key_values=cache, use_cache=True,
+                logits_to_keep=1, **kwargs)
     state.phase = "decode"
     return out.logits
 
@@ -401,8 +401,8 @@ def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCach
             state.step_excess = max(n - k for n, k in zip(cached, keep, strict=True))
             cached = [min(n, k) for n, k in zip(cached, keep, strict=True)]
         feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
-        logits = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None], cache=cache,
-                       use_cache=True, **kwargs).logits
+        logits = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None],
+                       past_key_values=cache, use_cache=True, **kwargs).logits
     return responses, logprobs, finish
 
 

@@ -161,13 +161,13 @@ def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     keep = T - start
     positions = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
     cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids[:, :s], position_ids=positions[:, :s], cache=cache, use_cache=True,
+    model(input_ids=input_ids[:, :s], position_ids=positions[:, :s], past_key_values=cache, use_cache=True,
           logits_to_keep=1)
     suffix, suffix_pos = input_ids[:, s:], positions[:, s:]
     with torch.no_grad():
         teacher_cache = DynamicCache([(layer.keys.detach(), layer.values.detach()) for layer in cache.layers],
                                      config=model.config)
-        dense = model(input_ids=suffix, position_ids=suffix_pos, cache=teacher_cache, use_cache=True,
+        dense = model(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache, use_cache=True,
                       logits_to_keep=keep).logits
     extra = {}
     if backend == "flex":
@@ -175,7 +175,7 @@ def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
 
         extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
     with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-        masked = model(input_ids=suffix, position_ids=suffix_pos, cache=cache, use_cache=True,
+        masked = model(input_ids=suffix, position_ids=suffix_pos, past_key_values=cache, use_cache=True,
                        logits_to_keep=keep, smd_evict_at=evict_at, smd_backend=backend, **extra).logits
     (masked, dense), targets, valid = gather_response((masked, dense), input_ids, prompt_lens, resp_lens, start)
     return masked, dense, targets, valid
