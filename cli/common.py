@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from schemas.errors import SmdInputError
+from schemas.errors import SmdInputError, SmdRankError
 from schemas.params import Params, load_params
 
 console = Console(stderr=True)
@@ -28,12 +29,14 @@ def load(params: Path, overrides: list[str] | None) -> Params:
 
 
 def guarded(fn: Callable[[], T]) -> T:
-    """Run a stage entry; bad input becomes one line on stderr and exit code 2."""
+    """Run a stage entry; bad input becomes one line on stderr and exit code 2. A failed process of a
+    multi-process stage (SmdRankError, raised by every process) is printed by rank 0 only."""
     try:
         return fn()
     except SmdInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise typer.Exit(code=2) from None
+        if not isinstance(err, SmdRankError) or os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        raise typer.Exit(code=err.exit_code) from None
 
 
 def echo_written(written: Any) -> None:

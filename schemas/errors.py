@@ -10,3 +10,13 @@ class SmdInputError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class SmdRankError(SmdInputError):
+    """One process of a multi-process stage failed: every process raises this, naming the first failing rank
+    (the CLI prints it from rank 0 only). Exit code 2 when that rank's error was bad input, else 1."""
+
+    def __init__(self, rank: int, world: int, message: str, exit_code: int = 1):
+        super().__init__(f"rank {rank} of {world} failed: {message}")
+        self.rank = rank
+        self.exit_code = exit_code

@@ -167,3 +167,23 @@ def _check_shards(path: Path, attrs: dict[str, Any], shards: list[dict[str, Any]
             raise SmdInputError(f"{where}/offsets: {off.shape[0]} offsets and {plen.shape[0]} prompt_len for {n} rows")
         if n and (off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != ev.shape[0]):
             raise SmdInputError(f"{where}/offsets: must rise from 0 to the {ev.shape[0]} tokens of evict_at")
+
+
+def merge_raw_stores(parts: list[str | Path], path: str | Path) -> int:
+    """Assemble one raw store at the new path `path` from raw stores written by `write_raw_masks`, one per
+    rollout process: their shard groups are moved (renamed, nothing copied) and renumbered in the parts'
+    order; the root keeps the parts' attributes (equal by construction) with the total `num_shards`.
+    Returns that number. Rows keep their `mask_row`, so compaction's result does not depend on the split."""
+    path = Path(path)
+    groups = [zarr.open_group(str(p), mode="r") for p in parts]
+    base = {k: v for k, v in dict(groups[0].attrs).items() if k != "num_shards"}
+    for part, group in zip(parts, groups, strict=True):
+        if {k: v for k, v in dict(group.attrs).items() if k != "num_shards"} != base:
+            raise ValueError(f"{part}: raw-store attrs differ from {parts[0]}'s")
+    names = [(Path(part), name) for part, group in zip(parts, groups, strict=True)
+             for name in sorted(k for k in group.group_keys() if k.startswith("shard-"))]
+    root = zarr.open_group(str(path), mode="w")
+    root.attrs.update({**base, "num_shards": len(names)})
+    for i, (part, name) in enumerate(names):
+        (part / name).rename(path / f"shard-{i:05d}")
+    return len(names)

@@ -182,21 +182,32 @@ def reference_nll(model, tokenizer, prompts: list[list[int]], references: list[s
     """Mean over prompts of the reference response's negative log-likelihood (nats, summed over its tokens and
     EOS) under the policy with the full context, temperature 1 -- the held-out likelihood of the right answer,
     a low-noise companion of greedy exact match."""
-    model.eval()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     total = 0.0
     for start in range(0, len(prompts), batch_size):
-        chunk = list(zip(prompts[start: start + batch_size], references[start: start + batch_size]))
-        seqs = [(list(p), response_ids(tokenizer, r)) for p, r in chunk]
-        T = max(len(p) + len(r) for p, r in seqs)
-        ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-        mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, (p, r) in enumerate(seqs):
-            ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-            mask[b, : len(p) + len(r)] = 1
-        device = next(model.parameters()).device
-        logp = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-        for b, (p, r) in enumerate(seqs):
-            pos = torch.arange(len(p) - 1, len(p) + len(r) - 1, device=logp.device)
-            total -= float(logp[b, pos, torch.tensor(r, device=logp.device)].sum())
+        for nll in reference_nll_batch(model, tokenizer, prompts[start: start + batch_size],
+                                       references[start: start + batch_size]):
+            total += nll
     return total / max(len(prompts), 1)
+
+
+def reference_nll_batch(model, tokenizer, prompts: list[list[int]], references: list[str]) -> list[float]:
+    """Per prompt of one batch: the reference response's negative log-likelihood (see `reference_nll`; the
+    data-parallel evaluate sums these in batch order, so its mean equals the one-process figure exactly)."""
+    model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seqs = [(list(p), response_ids(tokenizer, r)) for p, r in zip(prompts, references, strict=True)]
+    T = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, (p, r) in enumerate(seqs):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[b, : len(p) + len(r)] = 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    logp = torch.log_softmax(logits.float(), -1)
+    out = []
+    for b, (p, r) in enumerate(seqs):
+        pos = torch.arange(len(p) - 1, len(p) + len(r) - 1, device=logp.device)
+        out.append(-float(logp[b, pos, torch.tensor(r, device=logp.device)].sum()))
+    return out

@@ -25,12 +25,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from schemas import rewards
-from schemas.atomic import atomic_path
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
+from stages.distributed import agree, attempt, my_batches, worker_context, write_collectively
 from stages.kvcache.engine import generate_batch
-from stages.model import check_positions, load_policy, load_tokenizer, reference_nll
+from stages.model import check_positions, load_policy, load_tokenizer, reference_nll_batch
+from stages.vllm_engine import VllmEngine
 
 MODES = ("dense", "compressed")
 # What `dvc metrics show` prints (fits 160 columns); the KV kept fraction is the rollout's headline.
@@ -48,18 +49,26 @@ def eviction_for(mode: str, params: Params) -> EvictionParams:
     raise ValueError(f"unknown evaluation mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
-def _decode_mode(model, tokenizer, prompts, eviction: EvictionParams, params: Params, iteration: int, mode: str,
-                 advance) -> list[dict[str, Any]]:
-    """Greedy responses of one mode, in table order; batches group prompts of similar length."""
+def length_batches(prompts: list[dict[str, Any]], batch_size: int) -> list[list[int]]:
+    """Prompt indices in batches of `batch_size`, prompts of similar length together (shortest first)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
+    return [order[s: s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: EvictionParams, params: Params,
+                 iteration: int, mode: str, advance, engine: VllmEngine | None = None) -> dict[int, dict[str, Any]]:
+    """Greedy responses of one mode for the prompts of `batches`: {prompt index: prediction row}; on vLLM
+    when `engine` is given (the dense mode with `evaluate.engine: vllm`), else on smd's engine."""
     cfg = params.evaluate
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
-    rows: list[dict[str, Any] | None] = [None] * len(prompts)
-    for start in range(0, len(order), cfg.batch_size):
-        batch = order[start: start + cfg.batch_size]
+    rows: dict[int, dict[str, Any]] = {}
+    for batch in batches:
         ids = [list(prompts[i]["prompt_token_ids"]) for i in batch]
-        results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0)
+        if engine is None:
+            results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0)
+        else:
+            results = engine.generate(ids, cfg.max_new_tokens, eos, temperature=0.0)
         for i, res in zip(batch, results):
             p = prompts[i]
             text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
@@ -78,7 +87,7 @@ def _decode_mode(model, tokenizer, prompts, eviction: EvictionParams, params: Pa
                 "finish_reason": res.finish_reason,
             }
         advance(len(batch))
-    return rows  # type: ignore[return-value]
+    return rows
 
 
 def _mode_metrics(rows: list[dict[str, Any]], mode: str, seconds: float) -> dict[str, float]:
@@ -120,9 +129,103 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
     Returns {"predictions", "metrics", "details"}: out_dir/predictions.arrow, metrics.json, details.json. Bad input (missing
     checkpoint, missing/empty/invalid eval table, prompts too long for the model) raises SmdInputError before
     anything is written; the output directory appears only complete.
+
+    Data parallel under the launcher (stages.distributed): decoding batch b (prompts sorted by length) and
+    reference-NLL batch b run on process b mod N; the predictions and NLL terms are gathered to rank 0 over
+    the process group and assembled in table order, so the output equals the one-process output (greedy
+    decoding has no randomness). A failing process fails the stage on every process; nothing is written.
     """
     cfg = params.evaluate
     eval_prompts_path, out_dir = Path(eval_prompts_path), Path(out_dir)
+    ctx = worker_context()
+    inputs, error = attempt(lambda: _inputs(params, policy_path, eval_prompts_path))
+    agree(ctx, None, error)  # bad input: one line from rank 0 (every process reads the same files)
+    prompts, model, tokenizer = inputs
+    decode_batches = length_batches(prompts, cfg.batch_size)
+    nll_batches = [list(range(s, min(s + cfg.batch_size, len(prompts)))) for s in range(0, len(prompts), cfg.batch_size)]
+    mine, mine_nll = my_batches(len(decode_batches), ctx), my_batches(len(nll_batches), ctx)
+
+    def my_part(tmp: Path) -> dict[str, Any]:
+        """Decode this process's batches in both modes, score its reference-NLL batches."""
+        part: dict[str, Any] = {"rows": {}, "seconds": {}, "nll": {}}
+        # vLLM decodes the dense mode only (it has no per-head eviction); built once, before the clock starts.
+        engine = None
+        if cfg.engine == "vllm":
+            longest = max(len(p["prompt_token_ids"]) for p in prompts)
+            engine = VllmEngine(policy_path, params.model.dtype, longest + cfg.max_new_tokens, cfg.batch_size,
+                                params.seed)
+        progress = Progress(TextColumn("evaluate {task.fields[mode]}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), disable=not (show_progress and ctx.is_main), transient=False,
+                            console=Console(stderr=True))
+        with progress:
+            bar = progress.add_task("evaluate", total=len(MODES) * sum(len(decode_batches[b]) for b in mine), mode="")
+            for mode in MODES:
+                progress.update(bar, mode=mode)
+                t0 = time.perf_counter()
+                part["rows"][mode] = _decode_mode(model, tokenizer, prompts, [decode_batches[b] for b in mine],
+                                                  eviction_for(mode, params), params, iteration, mode,
+                                                  lambda n: progress.update(bar, advance=n),
+                                                  engine if mode == "dense" else None)
+                part["seconds"][mode] = time.perf_counter() - t0
+        for b in mine_nll:
+            part["nll"][b] = reference_nll_batch(model, tokenizer, [prompts[i]["prompt_token_ids"] for i in nll_batches[b]],
+                                                 [prompts[i]["reference"] for i in nll_batches[b]])
+        return part
+
+    config = {
+        "iteration": iteration,
+        "policy": str(policy_path),
+        "eval_prompts": str(eval_prompts_path),
+        "seed": params.seed,
+        "evaluate": cfg.model_dump(),
+        "rollout": {"eviction": params.rollout.eviction.model_dump()},
+        "learner": {"objective": params.learner.objective, "kl_lambda": params.learner.kl_lambda},
+    }
+    metrics: dict[str, Any] = {}
+
+    def merge(tmp: Path, parts: list[dict[str, Any]]) -> None:
+        """Rank 0: predictions in table order (dense rows, then compressed), metrics of both modes."""
+        rows: list[dict[str, Any]] = []
+        for mode in MODES:
+            by_index = {i: row for part in parts for i, row in part["rows"][mode].items()}
+            mode_rows = [by_index[i] for i in range(len(prompts))]
+            # Wall time of the parallel phase: the slowest process's.
+            seconds = max(part["seconds"][mode] for part in parts)
+            metrics.update(_mode_metrics(mode_rows, mode, seconds))
+            metrics[f"eval/{mode}/seconds"] = float(seconds)
+            rows.extend(mode_rows)
+        nll = {b: terms for part in parts for b, terms in part["nll"].items()}
+        total = 0.0
+        for b in range(len(nll_batches)):  # the one-process summation order (stages.model.reference_nll)
+            for term in nll[b]:
+                total += term
+        metrics["eval/dense/reference_nll"] = total / max(len(prompts), 1)
+        dense_rows, comp_rows = rows[: len(prompts)], rows[len(prompts):]
+        tasks = sorted({p["task"] for p in prompts})
+        metrics.update({
+            "iteration": iteration,
+            "task": ",".join(tasks),
+            "metric": ",".join(sorted({rewards.metric_name(t) for t in tasks})),
+            "eval/prompts": len(prompts),
+            "eval/processes": ctx.world,
+            "eval/agreement": float(np.mean([d["response_token_ids"] == c["response_token_ids"]
+                                             for d, c in zip(dense_rows, comp_rows)])),
+            "eval/score_gap": metrics["eval/dense/score"] - metrics["eval/compressed/score"],
+            "config": config,
+        })
+        write_table(rows, tmp / "predictions.arrow", "eval_predictions", config)
+        write_metrics(tmp / "metrics.json", metrics, HEADLINE)
+
+    write_collectively(out_dir, ctx, my_part, merge)
+    if show_progress and ctx.is_main:
+        Console(stderr=True).print(summary_table(metrics))
+    return {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json",
+            "details": out_dir / "details.json"}
+
+
+def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path):
+    """(prompts, model, tokenizer) after checking the prompts' tasks and lengths."""
+    cfg = params.evaluate
     prompts = read_table(eval_prompts_path, "prompts").to_pylist()
     if cfg.num_prompts:
         prompts = prompts[: cfg.num_prompts]
@@ -135,53 +238,4 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
     check_positions(model, n + cfg.max_new_tokens,
                     f"{eval_prompts_path}: prompt_token_ids: prompt {longest['prompt_id']} has {n} tokens; with "
                     f"evaluate.max_new_tokens={cfg.max_new_tokens} it")
-
-    rows: list[dict[str, Any]] = []
-    metrics: dict[str, Any] = {}
-    progress = Progress(TextColumn("evaluate {task.fields[mode]}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), disable=not show_progress, transient=False,
-                        console=Console(stderr=True))
-    with progress:
-        bar = progress.add_task("evaluate", total=len(MODES) * len(prompts), mode="")
-        for mode in MODES:
-            progress.update(bar, mode=mode)
-            t0 = time.perf_counter()
-            mode_rows = _decode_mode(model, tokenizer, prompts, eviction_for(mode, params), params, iteration, mode,
-                                     lambda n: progress.update(bar, advance=n))
-            seconds = time.perf_counter() - t0
-            metrics.update(_mode_metrics(mode_rows, mode, seconds))
-            metrics[f"eval/{mode}/seconds"] = float(seconds)
-            rows.extend(mode_rows)
-    metrics["eval/dense/reference_nll"] = reference_nll(model, tokenizer, [p["prompt_token_ids"] for p in prompts],
-                                                        [p["reference"] for p in prompts], cfg.batch_size)
-
-    dense_rows, comp_rows = rows[: len(prompts)], rows[len(prompts):]
-    tasks = sorted({p["task"] for p in prompts})
-    config = {
-        "iteration": iteration,
-        "policy": str(policy_path),
-        "eval_prompts": str(eval_prompts_path),
-        "seed": params.seed,
-        "evaluate": cfg.model_dump(),
-        "rollout": {"eviction": params.rollout.eviction.model_dump()},
-        "learner": {"objective": params.learner.objective, "kl_lambda": params.learner.kl_lambda},
-    }
-    metrics.update({
-        "iteration": iteration,
-        "task": ",".join(tasks),
-        "metric": ",".join(sorted({rewards.metric_name(t) for t in tasks})),
-        "eval/prompts": len(prompts),
-        "eval/agreement": float(np.mean([d["response_token_ids"] == c["response_token_ids"]
-                                         for d, c in zip(dense_rows, comp_rows)])),
-        "eval/score_gap": metrics["eval/dense/score"] - metrics["eval/compressed/score"],
-        "config": config,
-    })
-    written = {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json",
-               "details": out_dir / "details.json"}
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir(parents=True)
-        write_table(rows, tmp / "predictions.arrow", "eval_predictions", config)
-        write_metrics(tmp / "metrics.json", metrics, HEADLINE)
-    if show_progress:
-        Console(stderr=True).print(summary_table(metrics))
-    return written
+    return prompts, model, tokenizer

@@ -1,7 +1,7 @@
 """DeepSpeed plumbing of the learner: process group, engine, trainer-state checkpoints.
 
-One process by default: the process group (gloo on CPU, nccl on CUDA) is created here with world size 1
-on 127.0.0.1 and a free port. Under the `deepspeed` launcher (or `torchrun`) RANK / WORLD_SIZE /
+One process by default: the process group (gloo on CPU, nccl on CUDA) is created by
+`stages.distributed.init_distributed` with world size 1 on 127.0.0.1 and a free port. Under the `deepspeed` launcher (or `torchrun`) RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT come from the environment and every process runs the same
 command; the learner shards the batch by rank.
 
@@ -22,73 +22,19 @@ import json
 import logging
 import os
 import random
-import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from schemas.params.learner import LearnerParams
+from stages.distributed import DistContext, init_distributed  # noqa: F401 - the learner's process group
 
 TRAINER_STATE = "trainer_state"
 STATE_TAG = "state"
 STATE_JSON = "trainer_state.json"
-
-
-@dataclass
-class DistContext:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed() -> DistContext:
-    """Join (or create) the process group: the launcher's env when present, else a one-process gloo group."""
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    else:
-        rank = int(os.environ.get("RANK", 0))
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        # A one-process group needs no agreed address: always take a fresh local port (a MASTER_PORT
-        # inherited from a parent process may still be bound by it).
-        own_port = world == 1
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("WORLD_SIZE", str(world))
-        os.environ.setdefault("LOCAL_RANK", str(local_rank))
-        for attempt in range(8 if own_port else 1):
-            if own_port:
-                os.environ["MASTER_ADDR"] = "127.0.0.1"
-                os.environ["MASTER_PORT"] = str(_free_port())
-            try:
-                dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-                break
-            except dist.DistNetworkError:
-                # Another process took the free port between probing and binding: pick another.
-                if not own_port or attempt == 7:
-                    raise
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return DistContext(rank=rank, world=world, local_rank=local_rank, device=device)
 
 
 def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtype, cuda: bool) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`smdctl rollout`: sample G responses per prompt with the evicting cache and record shadow masks.
 
-Writes, atomically as one directory (docs/design.md §5):
+One process, or several under the launcher (see `rollout`). Writes, atomically as one directory
+(docs/design.md §5):
   trajectories.arrow   one row per response (schemas.tables TRAJECTORIES_SCHEMA)
   masks.raw.zarr       raw shadow masks, one shard per `shard_rows` rows (schemas.masks)
   metrics.json         headline (DVC metrics): mean reward, KV kept fraction, response length, tokens/s
@@ -9,25 +10,30 @@ Writes, atomically as one directory (docs/design.md §5):
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas import rewards
-from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
-from schemas.masks import write_raw_masks
+from schemas.masks import merge_raw_stores, write_raw_masks
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
-from schemas.tables import read_table, write_table
+from schemas.tables import TRAJECTORIES_SCHEMA, read_table, write_table
+from stages.distributed import agree, attempt, batch_seed, my_batches, worker_context, write_collectively
 from stages.kvcache.engine import SampleResult, generate_batch
 from stages.model import check_positions, load_policy, load_tokenizer
+from stages.vllm_engine import VllmEngine, request_seed
 
 HEADLINE = ("reward/mean", "kv/kept_fraction", "response/length_mean", "rollout/tokens_per_s")
+PARTS = ".parts"  # per-process parts inside the temporary output directory, merged and removed by rank 0
 
 
 def select_prompts(num_prompts: int, wanted: int, seed: int, iteration: int,
@@ -52,7 +58,72 @@ def eligible_prompts(prompts: list[dict[str, Any]], min_tokens: int, source: str
 
 def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path,
             out_dir: str | Path, show_progress: bool = True) -> dict[str, Path]:
-    """Sample `group_size` responses for each of the iteration's prompts; write trajectories, raw masks, metrics."""
+    """Sample `group_size` responses for each of the iteration's prompts; write trajectories, raw masks, metrics.
+
+    Data parallel under the launcher (stages.distributed): the jobs (prompt, group index) are cut into
+    batches of `batch_size`; batch b runs on process b mod N with a generator seeded from (seed, iteration,
+    b), so every batch samples the same tokens whatever N is. Each process writes its trajectory part and
+    its raw-mask part; rank 0 merges them into the canonical order (row r = job r = `mask_row` r), so the
+    trajectory table and the compacted masks are the same for any N. Any failing process fails the stage
+    on every process (one line naming the rank) and nothing is written.
+    """
+    cfg = params.rollout
+    ctx = worker_context()
+    inputs, error = attempt(lambda: _inputs(params, iteration, policy_path, prompts_path))
+    agree(ctx, None, error)  # bad input: one line from rank 0 (every process reads the same files)
+    prompts, model, tokenizer, jobs = inputs
+    batches = [jobs[s: s + cfg.batch_size] for s in range(0, len(jobs), cfg.batch_size)]
+    torch.manual_seed(params.seed * 1_000_003 + iteration)
+    config = {"rollout": cfg.model_dump(), "seed": params.seed, "iteration": iteration, "policy": str(policy_path)}
+    num_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    num_layers = model.config.num_hidden_layers
+
+    def my_part(tmp: Path) -> dict[str, Any]:
+        """Sample this process's batches; write its trajectory rows and raw-mask shards under tmp/.parts."""
+        mine = my_batches(len(batches), ctx)
+        engine = vllm_engine(params, policy_path, prompts, jobs) if cfg.engine == "vllm" else None
+        t0 = time.perf_counter()
+        samples = generate(model, tokenizer, prompts, batches, mine, cfg, params.seed, iteration,
+                           show_progress and ctx.is_main, engine)
+        seconds = time.perf_counter() - t0
+        rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row)
+                for mask_row, (i, g), res, text in samples]
+        shards = shard_masks([(res.evict_at, res.prompt_len) for _, _, res, _ in samples], cfg.shard_rows,
+                             [mask_row for mask_row, _, _, _ in samples])
+        parts = tmp / PARTS
+        parts.mkdir(exist_ok=True)
+        # A part is not a trajectory table (its mask_row are not 0..n-1, it may be empty): plain Arrow IPC.
+        feather.write_feather(pa.Table.from_pylist(rows, schema=TRAJECTORIES_SCHEMA),
+                              str(parts / f"trajectories-{ctx.rank:05d}.arrow"), compression="uncompressed")
+        write_raw_masks(parts / f"masks-{ctx.rank:05d}.raw.zarr", shards, num_layers, num_kv, cfg.eviction.model_dump())
+        return {"seconds": seconds}
+
+    def merge(tmp: Path, summaries: list[dict[str, Any]]) -> None:
+        """Rank 0: the canonical trajectory table (sorted by mask_row), one raw store, metrics."""
+        parts = tmp / PARTS
+        rows = [r for rank in range(ctx.world)
+                for r in feather.read_table(str(parts / f"trajectories-{rank:05d}.arrow")).to_pylist()]
+        rows.sort(key=lambda r: r["mask_row"])
+        write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
+        merge_raw_stores([parts / f"masks-{rank:05d}.raw.zarr" for rank in range(ctx.world)], tmp / "masks.raw.zarr")
+        shutil.rmtree(parts)
+        # Wall time of the parallel phase: the slowest process's (they start together after `agree`).
+        metrics = rollout_metrics(rows, iteration, max(s["seconds"] for s in summaries))
+        metrics["rollout/processes"] = ctx.world
+        write_metrics(tmp / "metrics.json", metrics, HEADLINE, config)
+
+    write_collectively(out_dir, ctx, my_part, merge)
+    out_dir = Path(out_dir)
+    return {
+        "trajectories": out_dir / "trajectories.arrow",
+        "raw_masks": out_dir / "masks.raw.zarr",
+        "metrics": out_dir / "metrics.json",
+        "details": out_dir / "details.json",
+    }
+
+
+def _inputs(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path):
+    """(prompts, model, tokenizer, jobs) of an iteration, after checking that the prompts fit the model."""
     cfg = params.rollout
     prompts = read_table(prompts_path, "prompts").to_pylist()
     model = load_policy(policy_path, params.model.dtype)
@@ -60,19 +131,16 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration,
                             eligible_prompts(prompts, cfg.min_prompt_tokens, prompts_path))
     jobs = group_jobs(prompts, picked, cfg.group_size, model, cfg.max_new_tokens, prompts_path)
-    torch.manual_seed(params.seed * 1_000_003 + iteration)
-    generator = torch.Generator().manual_seed(params.seed * 1_000_003 + iteration)
-    t0 = time.perf_counter()
-    samples = generate(model, tokenizer, prompts, jobs, cfg, generator, show_progress)
-    seconds = time.perf_counter() - t0
-    rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row)
-            for mask_row, ((i, g), res, text) in enumerate(samples)]
-    shards = shard_masks([(res.evict_at, res.prompt_len) for _, res, _ in samples], cfg.shard_rows)
-    metrics = rollout_metrics(rows, iteration, seconds)
-    config = {"rollout": cfg.model_dump(), "seed": params.seed, "iteration": iteration, "policy": str(policy_path)}
-    num_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-    return write_rollout(out_dir, rows, shards, metrics, config, model.config.num_hidden_layers, num_kv,
-                         cfg.eviction.model_dump())
+    return prompts, model, tokenizer, jobs
+
+
+def vllm_engine(params: Params, policy_path: str | Path, prompts: list[dict[str, Any]],
+                jobs: list[tuple[int, int]]) -> VllmEngine:
+    """The stage's vLLM engine (`rollout.engine: vllm`, dense only): room for the longest job, `batch_size`
+    sequences decoded together."""
+    longest = max(len(prompts[i]["prompt_token_ids"]) for i, _ in jobs)
+    return VllmEngine(policy_path, params.model.dtype, longest + params.rollout.max_new_tokens,
+                      params.rollout.batch_size, params.seed)
 
 
 def group_jobs(prompts: list[dict[str, Any]], picked: list[int], group_size: int, model, max_new_tokens: int,
@@ -86,9 +154,13 @@ def group_jobs(prompts: list[dict[str, Any]], picked: list[int], group_size: int
     return [(i, g) for i in picked for g in range(group_size)]
 
 
-def generate(model, tokenizer, prompts: list[dict[str, Any]], jobs: list[tuple[int, int]], cfg: RolloutParams,
-             generator: torch.Generator, show_progress: bool) -> list[tuple[tuple[int, int], SampleResult, str]]:
-    """Sample every job in batches of `cfg.batch_size` with the evicting cache: (job, result, decoded text)."""
+def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list[tuple[int, int]]],
+             mine: list[int], cfg: RolloutParams, seed: int, iteration: int,
+             show_progress: bool,
+             engine: VllmEngine | None = None) -> list[tuple[int, tuple[int, int], SampleResult, str]]:
+    """Sample the batches `mine` (indices into `batches`) with the evicting cache, each with its own
+    generator seeded by `batch_seed(seed, iteration, b)`: (mask_row = job index, job, result, decoded text).
+    With a vLLM `engine` (dense only) each row samples with its own seed `request_seed(seed, iteration, row)`."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     samples = []
@@ -96,15 +168,21 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], jobs: list[tuple[i
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[rate]}"), disable=not show_progress, transient=False)
     with progress:
-        bar = progress.add_task("rollout", total=len(jobs), rate="")
-        for start in range(0, len(jobs), cfg.batch_size):
-            batch = jobs[start: start + cfg.batch_size]
+        bar = progress.add_task("rollout", total=sum(len(batches[b]) for b in mine), rate="")
+        for b in mine:
+            batch = batches[b]
+            first = b * cfg.batch_size  # job index of the batch's first row (only the last batch is short)
             ids = [list(prompts[i]["prompt_token_ids"]) for i, _ in batch]
-            results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
-                                        cfg.top_k, cfg.top_p, generator)
-            for job, res in zip(batch, results):
+            if engine is None:
+                generator = torch.Generator().manual_seed(batch_seed(seed, iteration, b))
+                results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
+                                            cfg.top_k, cfg.top_p, generator)
+            else:
+                results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,
+                                          [request_seed(seed, iteration, first + j) for j in range(len(batch))])
+            for j, (job, res) in enumerate(zip(batch, results, strict=True)):
                 text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
-                samples.append((job, res, text))
+                samples.append((first + j, job, res, text))
                 gen_tokens += len(res.response_ids)
             elapsed = time.perf_counter() - t0
             progress.update(bar, advance=len(batch), rate=f"{gen_tokens / max(elapsed, 1e-9):.0f} tok/s")
@@ -135,9 +213,12 @@ def trajectory_row(prompt: dict[str, Any], group_index: int, iteration: int, res
     }
 
 
-def shard_masks(masks: list[tuple[np.ndarray, int]], shard_rows: int) -> list[dict[str, np.ndarray]]:
-    """Raw-store shards of `shard_rows` rows each (0 = one shard) from (evict_at [T, L, H], prompt length)."""
+def shard_masks(masks: list[tuple[np.ndarray, int]], shard_rows: int,
+                mask_rows: list[int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Raw-store shards of `shard_rows` rows each (0 = one shard) from (evict_at [T, L, H], prompt length);
+    `mask_rows` are the rows' `mask_row` (default 0, 1, ...)."""
     shard_rows = shard_rows or len(masks)
+    mask_rows = list(range(len(masks))) if mask_rows is None else mask_rows
     shards = []
     for s in range(0, len(masks), shard_rows):
         part = masks[s: s + shard_rows]
@@ -145,7 +226,7 @@ def shard_masks(masks: list[tuple[np.ndarray, int]], shard_rows: int) -> list[di
         shards.append({
             "evict_at": np.concatenate([m for m, _ in part], axis=0),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            "mask_row": np.arange(s, s + len(part), dtype=np.int64),
+            "mask_row": np.asarray(mask_rows[s: s + len(part)], dtype=np.int64),
             "prompt_len": np.array([pl for _, pl in part], dtype=np.int32),
         })
     return shards
@@ -169,22 +250,4 @@ def rollout_metrics(rows: list[dict[str, Any]], iteration: int, seconds: float) 
         "kv/dense_tokens_mean": float(dense.mean()),
         "kv/kept_fraction": float(peak.sum() / dense.sum()),
         "response/length_mean": float(np.mean([len(r["response_token_ids"]) for r in rows])),
-    }
-
-
-def write_rollout(out_dir: str | Path, rows: list[dict[str, Any]], shards: list[dict[str, np.ndarray]],
-                  metrics: dict[str, Any], config: dict[str, Any], num_layers: int, num_kv_heads: int,
-                  eviction: dict[str, Any]) -> dict[str, Path]:
-    """Write the rollout directory atomically (all files or none)."""
-    out_dir = Path(out_dir)
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir(parents=True)
-        write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
-        write_raw_masks(tmp / "masks.raw.zarr", shards, num_layers, num_kv_heads, eviction)
-        write_metrics(tmp / "metrics.json", metrics, HEADLINE, config)
-    return {
-        "trajectories": out_dir / "trajectories.arrow",
-        "raw_masks": out_dir / "masks.raw.zarr",
-        "metrics": out_dir / "metrics.json",
-        "details": out_dir / "details.json",
     }

@@ -1,0 +1,190 @@
+"""Data parallelism over processes (shared by rollout, evaluate and the learner): torch.distributed.
+
+One process by default. Under the `deepspeed` launcher (or `torchrun`), RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT come from the environment and every process runs the same command; the process
+group is gloo on CPU, NCCL on CUDA (the learner), gloo for rollout and evaluation (their tensors live on
+the CPU; only Python objects and barriers cross the group). No process pool or job queue of our own.
+
+Work is split in whole batches: batch b goes to process b mod N (`my_batches`), and a sampling batch is
+seeded from the run seed, the iteration and b (`batch_seed`), so what a batch samples does not depend on
+N. A stage's outputs are written collectively (`write_collectively`): rank 0 owns the atomic temporary
+directory (`schemas.atomic.atomic_path`), each process writes its own part into it, rank 0 merges them
+into the canonical order and renames. Failures are agreed on (`agree`): when any process raises, every
+process raises `SmdRankError` naming the first failing rank, rank 0 deletes the temporary directory before
+the others exit, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError, SmdRankError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_world() -> int:
+    """Number of processes the launcher started (WORLD_SIZE; 1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(backend: str | None = None) -> DistContext:
+    """Join (or create) the process group: the launcher's env when present, else a one-process group.
+
+    `backend` defaults to nccl on CUDA, gloo otherwise."""
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
+    backend = backend or ("nccl" if cuda else "gloo")
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    else:
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        # A one-process group needs no agreed address: always take a fresh local port (a MASTER_PORT
+        # inherited from a parent process may still be bound by it).
+        own_port = world == 1
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        for attempt in range(8 if own_port else 1):
+            if own_port:
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                os.environ["MASTER_PORT"] = str(_free_port())
+            try:
+                dist.init_process_group(backend, rank=rank, world_size=world)
+                break
+            except dist.DistNetworkError:
+                # Another process took the free port between probing and binding: pick another.
+                if not own_port or attempt == 7:
+                    raise
+    use_cuda = cuda and backend == "nccl"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return DistContext(rank=rank, world=world, local_rank=local_rank, device=device)
+
+
+def worker_context() -> DistContext:
+    """The context of a data-parallel CPU stage (rollout, evaluate): a gloo group only when launched with
+    several processes. Each process then runs `cpu_count // local processes` torch threads (at least 1)
+    unless OMP_NUM_THREADS says otherwise, so N processes on one machine do not oversubscribe its cores."""
+    if launched_world() <= 1 and not (dist.is_available() and dist.is_initialized()):
+        return DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    ctx = init_distributed(backend="gloo")
+    if ctx.world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or ctx.world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return ctx
+
+
+def my_batches(num_batches: int, ctx: DistContext) -> list[int]:
+    """The batch indices this process runs: b with b mod N == rank."""
+    return list(range(ctx.rank, num_batches, ctx.world))
+
+
+def batch_seed(seed: int, iteration: int, batch: int) -> int:
+    """The sampling seed of one batch: a function of the run seed, the iteration and the batch index only
+    (numpy's SeedSequence mixes them), so the samples do not depend on the number of processes."""
+    return int(np.random.SeedSequence([seed, iteration, batch]).generate_state(1, np.uint64)[0])
+
+
+def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """(fn(), None), or (None, the exception) when it raises."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported to every process by `agree`
+        return None, exc
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SmdInputError):
+        return str(exc)
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    return " ".join(f"{exc.__class__.__name__}: {exc}{where}".split())
+
+
+def agree(ctx: DistContext, value: T | None, error: BaseException | None) -> list[T]:
+    """Collective: every process's value, in rank order, on every process; if any process failed, every
+    process raises SmdRankError naming the first failing rank (exit code 2 for bad input, else 1)."""
+    if ctx.world == 1:
+        if error is not None:
+            raise error
+        return [value]  # type: ignore[list-item]
+    report = (value, None) if error is None else (None, (_describe(error), isinstance(error, SmdInputError)))
+    gathered: list[Any] = [None] * ctx.world
+    dist.all_gather_object(gathered, report)
+    for rank, (_, failure) in enumerate(gathered):
+        if failure is not None:
+            message, bad_input = failure
+            raise SmdRankError(rank, ctx.world, message, 2 if bad_input else 1) from error
+    return [v for v, _ in gathered]
+
+
+def write_collectively(final: str | Path, ctx: DistContext, each_rank: Callable[[Path], T],
+                       on_main: Callable[[Path, list[T]], None]) -> None:
+    """Write the directory `final` with every process: rank 0 creates the temporary directory, each process
+    runs `each_rank(tmp)` (writes its own part, returns a small summary), rank 0 runs
+    `on_main(tmp, summaries in rank order)` (merges), then renames tmp to `final`. Any failure, on any
+    process, raises SmdRankError everywhere after rank 0 removed tmp: nothing is written."""
+    final = Path(final)
+    if ctx.world == 1:
+        with atomic_path(final) as tmp:
+            tmp.mkdir(parents=True)
+            on_main(tmp, [each_rank(tmp)])
+        return
+    writer = atomic_path(final) if ctx.is_main else None
+    entered = False
+
+    def enter() -> Path:
+        nonlocal entered
+        tmp = writer.__enter__()
+        entered = True
+        tmp.mkdir(parents=True)
+        return tmp
+
+    try:
+        made, err = attempt(enter) if ctx.is_main else (None, None)
+        tmp = Path(agree(ctx, str(made) if made is not None else None, err)[0])
+        summaries = agree(ctx, *attempt(lambda: each_rank(tmp)))
+        agree(ctx, None, attempt(lambda: on_main(tmp, summaries))[1] if ctx.is_main else None)
+    except SmdRankError as exc:
+        if entered:
+            writer.__exit__(type(exc), exc, exc.__traceback__)  # atomic_path removes tmp
+        dist.barrier()  # the others exit only after tmp is gone
+        raise
+    # The rename (atomic_path re-checks `final` first and removes tmp if it must refuse): agreed on too, so
+    # that no process returns before `final` is in place or every process knows it failed.
+    agree(ctx, None, attempt(lambda: writer.__exit__(None, None, None))[1] if ctx.is_main else None)

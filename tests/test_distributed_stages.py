@@ -1,0 +1,127 @@
+"""Rollout and evaluate on 2 processes (gloo) give exactly the 1-process artifacts; a failing process fails the
+stage on every process with one error naming its rank, and nothing is written (stages.distributed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from schemas.errors import SmdRankError
+from schemas.masks import read_raw_masks
+from schemas.params.compaction import CompactionParams
+from schemas.tables import write_table
+from stages.compaction import compact
+from stages.evaluate.stage import evaluate
+from stages.learner.train import learn
+from stages.rollout.stage import rollout
+from tests.helpers import make_model_dir, random_prompts
+from tests.test_learner import make_params
+
+# 3 prompts x 3 responses = 9 jobs in 5 batches of 2: rank 0 samples batches 0, 2, 4 and rank 1 batches 1, 3;
+# two shards per process (shard_rows 2).
+OVER = {"rollout.group_size": 3, "rollout.batch_size": 2, "rollout.shard_rows": 2, "evaluate.batch_size": 2,
+        "evaluate.max_new_tokens": 5}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, stage: str, args: tuple, report: Path, fail_rank: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    if rank == fail_rank:
+        import stages.rollout.stage as rollout_stage
+
+        def broken(*a, **k):
+            raise RuntimeError("injected failure")
+
+        rollout_stage.generate_batch = broken  # this process only: its sampling raises mid-stage
+    fn = {"rollout": rollout, "evaluate": evaluate}[stage]
+    try:
+        fn(make_params(**OVER), 1, *args, show_progress=False)
+        outcome = {"ok": True}
+    except SmdRankError as exc:
+        outcome = {"ok": False, "message": str(exc), "exit_code": exc.exit_code}
+    (report / f"rank{rank}.json").write_text(json.dumps(outcome))
+    torch.distributed.destroy_process_group()
+
+
+def run_two(stage: str, args: tuple, report: Path, fail_rank: int = -1) -> list[dict]:
+    report.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(2, _free_port(), stage, args, report, fail_rank), nprocs=2, join=True)
+    return [json.loads((report / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    model_dir = make_model_dir(root, "gqa")
+    rows = [{"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids,
+             "reference": "cat"} for i, ids in enumerate(random_prompts([30, 45, 38, 33, 41], seed=1))]
+    return root, model_dir, write_table(rows, root / "prompts.arrow", "prompts")
+
+
+@pytest.mark.slow
+def test_rollout_two_processes_equal_one(inputs):
+    """~25 s: byte-identical trajectory table and compacted masks, and the learner's parity gate passes."""
+    root, model_dir, prompts = inputs
+    one = rollout(make_params(**OVER), 1, model_dir, prompts, root / "one", show_progress=False)
+    outcomes = run_two("rollout", (model_dir, prompts, root / "two"), root / "report-rollout")
+    assert outcomes == [{"ok": True}, {"ok": True}]
+    two = root / "two"
+    assert (two / "trajectories.arrow").read_bytes() == one["trajectories"].read_bytes()
+    _, shards = read_raw_masks(two / "masks.raw.zarr")
+    assert [s["mask_row"].tolist() for s in shards] == [[0, 1], [4, 5], [8], [2, 3], [6, 7]]  # rank 0's, rank 1's
+    assert not (two / ".parts").exists()
+    metrics = json.loads((two / "details.json").read_text())
+    assert metrics["rollout/processes"] == 2 and metrics["rollout/trajectories"] == 9
+    packed = [compact(CompactionParams(chunk_rows=2), d / "trajectories.arrow", d / "masks.raw.zarr",
+                      d.parent / f"{d.name}-compact" / "masks.zarr")["masks"] for d in (root / "one", two)]
+    assert tree_bytes(packed[0]) == tree_bytes(packed[1])
+    # the shadow masks written by two processes replay the sampler (learn refuses otherwise)
+    learn(make_params(**OVER, **{"learner.num_threads": 1}), 1, model_dir, two / "trajectories.arrow", packed[1],
+          root / "policy")
+    parity = json.loads((root / "learn" / "details.json").read_text())
+    assert parity["mismatch/logprob_abs_diff_max"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_evaluate_two_processes_equal_one(inputs):
+    """~20 s: the same predictions table and figures (only wall times differ)."""
+    root, model_dir, prompts = inputs
+    one = evaluate(make_params(**OVER), 1, model_dir, prompts, root / "eval-one", show_progress=False)
+    assert run_two("evaluate", (model_dir, prompts, root / "eval-two"), root / "report-eval") == [{"ok": True}] * 2
+    assert (root / "eval-two" / "predictions.arrow").read_bytes() == one["predictions"].read_bytes()
+    a, b = (json.loads((d / "details.json").read_text()) for d in (root / "eval-one", root / "eval-two"))
+    timing = ("seconds", "tokens_per_s", "processes")
+    assert {k: v for k, v in a.items() if not k.endswith(timing)} == {k: v for k, v in b.items() if not k.endswith(timing)}
+    assert a["eval/dense/reference_nll"] == b["eval/dense/reference_nll"]  # summed in the same order
+    assert b["eval/processes"] == 2
+
+
+@pytest.mark.slow
+def test_failing_process_fails_every_process_and_writes_nothing(inputs):
+    """~10 s: rank 1's sampling raises; both processes raise the same one-line error, no output, no temporary."""
+    root, model_dir, prompts = inputs
+    out = root / "failed" / "rollout"
+    outcomes = run_two("rollout", (model_dir, prompts, out), root / "report-fail", fail_rank=1)
+    for outcome in outcomes:
+        assert not outcome["ok"] and outcome["exit_code"] == 1
+        assert outcome["message"].startswith("rank 1 of 2 failed: RuntimeError: injected failure")
+        assert "\n" not in outcome["message"]
+    assert not out.exists()
+    assert list(out.parent.iterdir()) == []  # the temporary directory is gone too
