@@ -41,10 +41,19 @@ def protected_tokens(eviction: dict[str, Any]) -> int:
     return int(eviction["sinks"]) + int(eviction["window"])
 
 
-def budget(n: int, eviction: dict[str, Any]) -> int:
-    """Most keys a layer/head may hold once n tokens have entered the cache (see EvictionParams)."""
+def budget(n: int, eviction: dict[str, Any], prompt_len: int | None = None) -> int:
+    """Most keys a layer/head may hold once n tokens have entered the cache (see EvictionParams).
+
+    With `compress: prefill_only` the budget after the prompt grows by one key per generated token:
+    budget(P) + (n - P) for n > P = `prompt_len` (required then).
+    """
     if eviction["policy"] == "dense":
         return n
+    if eviction.get("compress", "every_step") == "prefill_only":
+        if prompt_len is None:
+            raise ValueError("budget(): compress=prefill_only needs the prompt length")
+        if n > prompt_len:
+            return budget(prompt_len, eviction, prompt_len) + (n - prompt_len)
     b = max(protected_tokens(eviction), math.ceil(float(eviction["keep_ratio"]) * n - 1e-9))
     if eviction.get("max_tokens") is not None:
         b = min(b, int(eviction["max_tokens"]))

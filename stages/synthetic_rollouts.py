@@ -9,7 +9,7 @@ priority leaves (its evict_at = q). Policies differ only in the priority:
   recent  priority = position: a sliding window plus sinks (identical for every layer/head)
   random  uniform random priority per key and head
   h2o     heavy-tailed (Pareto) "accumulated attention" per key and head
-  snapkv  prompt keys scored in clusters (max-pooled, pooling_kernel), decode keys random
+  snapkv  prompt keys scored in clusters (max-pooled, pooling_kernel; a schedule shape, not the policy), decode keys random
 """
 
 from __future__ import annotations

@@ -16,27 +16,62 @@ POLICIES: tuple[str, ...] = get_args(PolicyName)
 EngineName = Literal["hf", "vllm"]
 
 
+# Attention sinks each policy keeps unless `sinks` is set: StreamingLLM (`recent`) keeps 4; SnapKV and H2O have
+# none in their papers and reference code; `random` follows them.
+DEFAULT_SINKS: dict[str, int] = {"dense": 0, "snapkv": 0, "h2o": 0, "recent": 4, "random": 0}
+
+
 class EvictionParams(BaseModel):
     """KV-cache compression used while sampling.
 
     Budget semantics: after n tokens have entered a sequence's cache, every layer/KV head holds at most
     budget(n) = min(n, max(protected, ceil(keep_ratio * n))) keys, further capped by `max_tokens` when set,
-    where `protected` = sinks + window (the keys the policy never evicts). A query attends to exactly the
-    keys held when its attention runs (itself included). Prefill attends densely to the prompt; the cache is
-    compressed right after it (SnapKV semantics) and then after every decoding step.
+    where `protected` = sinks + window. A query attends to exactly the keys held when its attention runs
+    (itself included). Prefill attends densely to the prompt; the cache is compressed right after it
+    (SnapKV semantics) and, with `compress: every_step` (default), after every decoding step so the budget
+    holds at every step; with `compress: prefill_only` (the SnapKV paper's setting) the compressed prompt
+    stays as it is and every generated key is kept: budget(n) = budget(P) + (n - P) for n > P.
+
+    Defaults follow each policy's reference (docs/design.md §5): SnapKV (Li et al. 2024, and its code
+    FasterDecoding/SnapKV, as kvpress's SnapKVPress) scores the keys *before* the observation window by the
+    window's attention, average-pooled with kernel 5, keeps the whole window, has no sinks; H2O (Zhang et al.
+    2023, FMInference/H2O) splits the budget equally between heavy hitters (accumulated attention) and the
+    most recent tokens, no sinks. The variants smd used first stay available as named options:
+    SnapKV v0 = `sinks: 4, pooling: max, pooling_kernel: 7, snapkv_pool_scope: all_keys`;
+    H2O v0 = `sinks: 4, h2o_recent: window`.
     """
 
     model_config = ConfigDict(extra="forbid")
     policy: PolicyName = Field("snapkv", description=f"Eviction policy, one of {POLICIES}.")
     keep_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Fraction of seen tokens kept (0.5 = 50% compression).")
     max_tokens: int | None = Field(None, ge=1, description="Absolute cap on cached tokens per layer/head (None = no cap).")
-    sinks: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
-    window: int = Field(16, ge=1, description="Most recent tokens always kept; SnapKV's observation window.")
-    pooling_kernel: int = Field(7, ge=1, description="SnapKV: max-pool kernel over key scores (odd).")
+    sinks: int | None = Field(
+        None, ge=0, description=f"First tokens always kept (attention sinks); None = the policy's default {DEFAULT_SINKS}.",
+    )
+    window: int = Field(
+        16, ge=1, description="SnapKV: observation window (its keys are always kept). recent/random/h2o(window): "
+        "the recent window the next query sees. Also the floor of the budget (with sinks).",
+    )
+    pooling: Literal["avg", "max"] = Field("avg", description="SnapKV: pooling of key scores (avg = SnapKV's code).")
+    pooling_kernel: int = Field(5, ge=1, description="SnapKV: pooling kernel over key scores (odd; 5 = SnapKV's code).")
+    snapkv_pool_scope: Literal["before_window", "all_keys"] = Field(
+        "before_window", description="SnapKV: score and pool only the keys before the observation window (the paper) "
+        "or every key, window included (smd v0).",
+    )
+    h2o_recent: Literal["half_budget", "window"] = Field(
+        "half_budget", description="H2O: recent tokens kept = half the budget (the paper's equal heavy/recent split) "
+        "or `window` tokens (smd v0).",
+    )
+    compress: Literal["every_step", "prefill_only"] = Field(
+        "every_step", description="every_step: evict after prefill and after every decoding step (the budget holds at "
+        "every step); prefill_only: compress the prompt once (SnapKV's paper), keep every generated key.",
+    )
     seed: int = Field(0, ge=0, description="Seed of the `random` policy.")
 
     @model_validator(mode="after")
     def _check(self) -> EvictionParams:
+        if self.sinks is None:
+            self.sinks = DEFAULT_SINKS[self.policy]
         if self.max_tokens is not None and self.policy != "dense" and self.max_tokens < self.sinks + self.window + 1:
             raise ValueError(
                 f"max_tokens={self.max_tokens} is smaller than sinks + window + 1 = {self.sinks + self.window + 1}"

@@ -152,11 +152,14 @@ def validate_rows(
 
     lengths = np.diff(offsets)
     Tmax = int(lengths.max()) if len(lengths) else 0
-    b = np.array([0] + [budget(n, eviction) for n in range(1, Tmax + 1)], dtype=np.int64)
+    per_prompt = eviction.get("compress", "every_step") == "prefill_only"  # the budget depends on P then
+    b = None if per_prompt else np.array([0] + [budget(n, eviction) for n in range(1, Tmax + 1)], dtype=np.int64)
     stats = _Stats(U)
     for r in range(len(lengths)):
         T = int(lengths[r])
         P = int(prompt_len[r])
+        if per_prompt:
+            b = np.array([0] + [budget(n, eviction, P) for n in range(1, T + 1)], dtype=np.int64)
         ev = ev_flat[offsets[r] : offsets[r + 1]].astype(np.int64)
         k = np.arange(T)[:, None]
         bad = (ev <= k) | (ev > T)

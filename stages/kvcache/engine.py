@@ -45,13 +45,19 @@ class RolloutState:
     current_pos: torch.Tensor | None = None  # [B] position of the query being decoded
     slots: list[LayerSlots | None] = field(default_factory=list)
     step_keep: torch.Tensor | None = None  # keep_after() for the current decoding step, computed once
+    step_window: torch.Tensor | None = None  # the policy's recent window for step_keep, computed once
     # Most keys any sequence is over its keep count this step (0: no layer evicts; 1 in decoding), decided
     # once per step by generate_batch instead of by a tensor check in every layer.
     step_excess: int = 0
 
     def keep_after(self, n_seen: torch.Tensor) -> torch.Tensor:
         """Keys that may stay cached so that the next query (n_seen + 1 tokens) sees <= budget."""
-        return torch.tensor([budget(int(n) + 1, self.eviction) - 1 for n in n_seen.tolist()])
+        return torch.tensor([budget(int(n) + 1, self.eviction, int(p)) - 1
+                             for n, p in zip(n_seen.tolist(), self.prompt_lens.tolist(), strict=True)])
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return self.policy.evicts and self.eviction.get("compress", "every_step") == "every_step"
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -173,7 +179,7 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
     if st.policy.evicts:
         keep = st.keep_after(st.prompt_lens)
         evict(slots, st.policy.scores(layer, slots), keep, st.prompt_lens - 1, st.eviction["sinks"],
-              st.eviction["window"], st.evict_at[layer])
+              st.policy.recent_window(keep), st.evict_at[layer])
     st.slots[layer], order = _front_slots(slots, st.capacity)
     cache.layers[layer].finish_prefill(order)
     return out
@@ -243,7 +249,7 @@ def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: f
     H = key.shape[1]
     groups = query.shape[1] // H
     valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
-    if st.policy.needs_attention != "none":
+    if st.policy.needs_attention != "none" and st.evicts_while_decoding:
         out, probs = _attend_grouped(query, key, value, valid, scaling, H)
         st.policy.observe_decode(layer, slots, probs)
     else:
@@ -252,7 +258,7 @@ def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: f
                                              enable_gqa=groups > 1)
     if st.step_excess > 0:
         sc = st.policy.scores(layer, slots)
-        evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.eviction["window"],
+        evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.step_window,
               st.evict_at[layer], at_most_one=st.step_excess <= 1)
     return out
 
@@ -338,7 +344,7 @@ def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new
         policy=make_policy(eviction, num_layers),
         eviction=ev,
         num_layers=num_layers,
-        capacity=max(budget(int(n) + max_new_tokens, ev) for n in lens.tolist()),
+        capacity=max(budget(int(n) + max_new_tokens, ev, int(n)) for n in lens.tolist()),
         prompt_lens=lens,
         evict_at=torch.full((num_layers, len(prompts), num_kv, T_max), -1, dtype=torch.int32),
         slots=[None] * num_layers,
@@ -395,8 +401,9 @@ def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCach
             break
         state.current_pos = lens + step
         state.step_keep = state.keep_after(state.current_pos + 1)
+        state.step_window = state.policy.recent_window(state.step_keep)
         cached = [n + 1 for n in cached]  # this step's key, in every layer and head
-        if state.policy.evicts:
+        if state.evicts_while_decoding:
             keep = state.step_keep.tolist()
             state.step_excess = max(n - k for n, k in zip(cached, keep, strict=True))
             cached = [min(n, k) for n, k in zip(cached, keep, strict=True)]

@@ -39,6 +39,8 @@ PARAM_KEYS = {
     "policy": "rollout.eviction.policy",
     "keep_ratio": "rollout.eviction.keep_ratio",
 }
+# What labels a run: the table's parameter columns plus the KL weight (tells smd arms apart).
+CONFIG_KEYS = {**PARAM_KEYS, "kl_lambda": "learner.kl_lambda"}
 # (column header, stage, metrics key)
 VALUE_COLUMNS = [
     ("reward/mean", "rollout", "reward/mean"),
@@ -84,7 +86,7 @@ def _default(dotted: str) -> Any:
 def _config_from_params(tree: dict[str, Any]) -> dict[str, Any]:
     """Report parameters from a params.yaml tree; keys it omits take the schema default (what a run used)."""
     out = {}
-    for name, dotted in PARAM_KEYS.items():
+    for name, dotted in CONFIG_KEYS.items():
         value = _dotted(tree, dotted)
         out[name] = _default(dotted) if value is None else value
     return out
@@ -92,13 +94,15 @@ def _config_from_params(tree: dict[str, Any]) -> dict[str, Any]:
 
 def _config_from_metrics(metrics: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Report parameters recorded in metrics files (a `config` tree, or dotted keys at the top level)."""
-    out: dict[str, Any] = {name: None for name in PARAM_KEYS}
+    out: dict[str, Any] = {name: None for name in CONFIG_KEYS}
     for iteration in sorted(metrics):
+        if iteration == 0:  # the starting policy's evaluation (possibly shared by several arms), not the run's config
+            continue
         for stage in STAGES:
             m = metrics[iteration].get(stage)
             if not isinstance(m, dict):
                 continue
-            for name, dotted in PARAM_KEYS.items():
+            for name, dotted in CONFIG_KEYS.items():
                 if out[name] is None:
                     value = _dotted(m.get("config"), dotted)
                     out[name] = value if value is not None else _dotted(m, dotted)
@@ -150,8 +154,9 @@ def load_run(run_dir: str | Path) -> Run:
         if m:
             metrics.setdefault(int(m.group(1)), {})[m.group(2)] = _read_json(path)
     warm = artifacts / "warmstart" / "metrics.json"
-    if metrics and warm.is_file():
-        # The warm start as iteration 0: its greedy eval is a dense one, reported under the evaluate names.
+    if metrics and warm.is_file() and 0 not in metrics:
+        # The warm start as iteration 0 (unless the run evaluated it itself under iter-000, as `smdctl compare`
+        # does with each arm's compression): its greedy eval is a dense one, reported under the evaluate names.
         w = _read_json(warm)
         metrics[0] = {"evaluate": {"eval/dense/score": w.get("reward"), "eval/dense/exact_match": w.get("exact_match"),
                                    "eval/dense/reference_nll": w.get("reference_nll")}}
@@ -295,6 +300,8 @@ ARM_COLUMNS = [
     ("train reward (last 3)", "rollout", "reward/mean", "tail"),
     ("entropy (last)", "learn", "policy/entropy", "last"),
     ("mismatch KL (mean)", "learn", "mismatch/kl", "mean"),
+    ("rejected seq frac (mean)", "learn", "rejection/seq_fraction", "mean"),
+    ("rejected token frac (mean)", "learn", "rejection/token_fraction", "mean"),
     ("learner s/step", "learn", "learner/seconds_per_step", "mean"),
     ("learner peak RSS MB", "learn", "learner/peak_rss_mb", "mean"),
 ]
@@ -390,7 +397,10 @@ def render_markdown(rows: list[dict[str, Any]], sources: list[str], skipped: lis
 
 
 def _series_label(config: dict[str, Any]) -> str:
-    return f"{config.get('objective') or '?'} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
+    objective = config.get("objective") or "?"
+    if objective == "smd":  # the KL weight tells smd arms apart (shadow is smd at 0; the others have no KL)
+        objective += f" λ{config.get('kl_lambda')}"
+    return f"{objective} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
 
 
 # (title, [(stage, metrics key, line style, legend suffix)]) per panel of the learning curves.

@@ -1,7 +1,8 @@
 """One interface for every KV eviction policy, and a registry (the way kvpress organises its presses).
 
-A policy only *scores* cache slots; the shared `evict` below applies the budget, protects attention
-sinks and the recent window, breaks ties deterministically and records the shadow mask.
+A policy only *scores* cache slots (and may size its recent window); the shared `evict` below applies the
+budget, protects attention sinks and the recent window, breaks ties deterministically and records the
+shadow mask.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class EvictionPolicy:
         """[B, H, S] float; higher = more worth keeping."""
         raise NotImplementedError
 
+    def recent_window(self, keep: torch.Tensor) -> torch.Tensor:
+        """[B] recent window per sequence when each may keep `keep[b]` keys: the window - 1 newest cached
+        keys are never evicted (with the next query they form the window it sees). Default `window`."""
+        return torch.full_like(keep, self.cfg.window)
+
 
 def evict(
     slots: LayerSlots,
@@ -75,14 +81,14 @@ def evict(
     keep: torch.Tensor,
     current_pos: torch.Tensor,
     sinks: int,
-    window: int,
+    window: int | torch.Tensor,
     evict_at: torch.Tensor,
     at_most_one: bool = False,
 ) -> torch.Tensor:
     """Evict down to `keep[b]` slots per (b, h), record `evict_at`, return the number of evictions.
 
     Protected (never evicted): positions < sinks and the window-1 most recent positions (with the next
-    token they form the recent window the next query sees). Among the rest, lowest score goes first;
+    token they form the recent window the next query sees); `window` is an int or one per sequence [B]. Among the rest, lowest score goes first;
     ties evict the oldest position. `evict_at[b, h, pos] = current_pos[b] + 1` for every evicted key.
 
     `at_most_one`: the caller knows no (b, h) holds more than keep + 1 keys (a decoding step: one key in,
@@ -92,7 +98,8 @@ def evict(
     pos = slots.slot_pos
     valid = pos >= 0
     cur = current_pos.view(-1, 1, 1)
-    protected = valid & ((pos < sinks) | (pos > cur - (window - 1)))
+    win = window.view(-1, 1, 1) if isinstance(window, torch.Tensor) else window
+    protected = valid & ((pos < sinks) | (pos > cur - (win - 1)))
     if at_most_one:
         return _evict_one(slots, scores, keep, current_pos, valid, protected, evict_at)
     key = scores.to(torch.float64).masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
@@ -121,7 +128,9 @@ def _evict_one(slots: LayerSlots, scores: torch.Tensor, keep: torch.Tensor, curr
         return torch.zeros((), dtype=torch.long)
     key = scores.to(torch.float64).masked_fill(protected | ~valid, float("inf"))
     lowest = key.amin(dim=-1, keepdim=True)
-    oldest = pos.masked_fill(key != lowest, torch.iinfo(pos.dtype).max).argmin(dim=-1)  # [B, H]
+    # Among the valid keys with the lowest score (protected ones only when nothing else is left, as in the
+    # sorting rule), the oldest; empty slots never.
+    oldest = pos.masked_fill((key != lowest) | ~valid, torch.iinfo(pos.dtype).max).argmin(dim=-1)  # [B, H]
     b_idx, h_idx = over.nonzero(as_tuple=True)
     s_idx = oldest[b_idx, h_idx]
     evict_at[b_idx, h_idx, pos[b_idx, h_idx, s_idx]] = (current_pos[b_idx] + 1).to(evict_at.dtype)

@@ -1,10 +1,23 @@
 """`snapkv`: keys scored by the attention of an observation window of recent queries.
 
-Prefill (as in SnapKV): attention of the last `window` prompt queries, summed over the window and the
-GQA group, max-pooled along keys (`pooling_kernel`) so neighbours of important tokens survive, then
-per-KV-head top-k. Decoding keeps the same rule with a sliding observation window: a slot's score is the
-attention it received from the last `window` decoded queries (a ring buffer, no pooling since slots are
-no longer in position order).
+Prefill follows SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation";
+reference code FasterDecoding/SnapKV `snapkv_utils.py`, also kvpress `SnapKVPress`): the last `window`
+prompt queries attend to the prompt; each key *before* the window is scored by the attention it received,
+summed over the window's queries and the query heads of its GQA group; the scores are pooled along the
+key axis (average pooling, kernel 5, zero-padded at the edges as `F.avg_pool1d` does) so neighbours of
+important tokens survive; each KV head keeps its top keys plus the whole observation window, with no
+attention sinks (`sinks` 0 by default). In a left-padded batch the padding keys carry zero attention,
+which is exactly the zero padding the reference pools each unpadded sequence with.
+
+Decoding (`compress: every_step`, so the budget holds at every step) keeps the same rule with a sliding
+observation window: a slot's score is the attention it received from the last `window` decoded queries
+(a ring buffer; no pooling since slots are no longer in position order) and the `window` newest keys are
+kept. The prompt's observation-window keys enter the ring with the row's highest prefill score, as
+kvpress pads them, until `window` decoding steps have replaced that entry. `compress: prefill_only` is
+the paper's original setting (compress once, keep every generated key).
+
+smd v0 variant (`pooling: max, pooling_kernel: 7, snapkv_pool_scope: all_keys, sinks: 4`): max-pools over
+the whole key axis, observation window included, and protects 4 sinks.
 """
 
 from __future__ import annotations
@@ -13,6 +26,24 @@ import torch
 import torch.nn.functional as F
 
 from stages.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
+
+
+def pooled_window_scores(attn: torch.Tensor, window: int, pooling: str, kernel: int, scope: str) -> torch.Tensor:
+    """Pooled SnapKV key scores [B, H, P] from the window's attention [B, H, w, P] (keys in position order,
+    the observation window = the last `window` positions). With scope `before_window` the window's own keys
+    are left out of the pooling and get the row's highest score (they are kept regardless)."""
+    summed = attn.sum(dim=2).to(torch.float64)
+    P = summed.shape[-1]
+    w = min(window, P)
+    if scope == "before_window":
+        summed = summed[..., : P - w]
+    if kernel > 1 and summed.shape[-1] > 0:
+        pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
+        summed = pool(summed, kernel_size=kernel, stride=1, padding=kernel // 2)
+    if scope == "before_window":
+        top = summed.amax(dim=-1, keepdim=True) if summed.shape[-1] else summed.new_zeros(*summed.shape[:-1], 1)
+        summed = torch.cat([summed, top.expand(*summed.shape[:-1], w)], dim=-1)
+    return summed
 
 
 @register_policy
@@ -26,11 +57,10 @@ class SnapKVPolicy(EvictionPolicy):
 
     def observe_prefill(self, layer, slots, attn):
         # attn: [B, H, w, P] for the last w prompt queries (positions in order here).
-        summed = attn.sum(dim=2).to(torch.float64)
-        k = self.cfg.pooling_kernel
-        pooled = F.max_pool1d(summed, kernel_size=k, stride=1, padding=k // 2) if k > 1 else summed
-        B, H, P = summed.shape
-        ring = torch.zeros(B, H, P, self.cfg.window, dtype=torch.float64)
+        cfg = self.cfg
+        pooled = pooled_window_scores(attn, cfg.window, cfg.pooling, cfg.pooling_kernel, cfg.snapkv_pool_scope)
+        B, H, P = pooled.shape
+        ring = torch.zeros(B, H, P, cfg.window, dtype=torch.float64)
         ring[..., 0] = pooled  # the prefill window's pooled score occupies one ring entry
         slots.extra["ring"] = ring
         self.step[layer] = 1
@@ -42,3 +72,10 @@ class SnapKVPolicy(EvictionPolicy):
 
     def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
         return slots.extra["ring"].sum(dim=-1)
+
+    def recent_window(self, keep: torch.Tensor) -> torch.Tensor:
+        # SnapKV keeps its whole observation window: the `window` newest cached keys (v0: window - 1).
+        # At the budget's floor (sinks + window) one window key has to go to make room for the next query.
+        if self.cfg.snapkv_pool_scope == "all_keys":
+            return torch.full_like(keep, self.cfg.window)
+        return torch.clamp(torch.full_like(keep, self.cfg.window + 1), max=keep + 1)

@@ -1,0 +1,100 @@
+"""`smdctl compare`: the comparison as one resumable command (a micro version: 2 arms, 2 iterations, 1 seed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from schemas.compare import load_compare_spec
+from schemas.errors import SmdInputError
+from schemas.tables import write_table
+from tests.helpers import empty_params, make_model_dir, random_prompts
+
+SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
+        "rollout.eviction.window=4", "learner.micro_batch_size=4", "evaluate.max_new_tokens=4",
+        "evaluate.batch_size=4"]
+
+SPEC = """
+iterations: 2
+eval_every: 2
+seeds: [0]
+workers: 1
+arms:
+  dense: {rollout.eviction.policy: dense, learner.objective: dense}
+  smd-l0.1@0.5: {learner.objective: smd, learner.kl_lambda: 0.1, rollout.eviction.keep_ratio: 0.5}
+"""
+
+
+def _inputs(tmp_path):
+    model_dir = make_model_dir(tmp_path, "gqa")
+    data = tmp_path / "data"
+    for split, seed in (("train", 1), ("eval", 2)):
+        rows = [{"prompt_id": f"{split}{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids,
+                 "reference": "cat 12"} for i, ids in enumerate(random_prompts([20, 26, 23], seed=seed))]
+        write_table(rows, data / f"{split}.arrow", "prompts")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    return model_dir, data, spec
+
+
+@pytest.mark.slow
+def test_compare_runs_every_arm_reports_and_resumes(tmp_path):
+    model_dir, data, spec = _inputs(tmp_path)
+    out = tmp_path / "cmp"
+    args = ["compare", "--out", str(out), "--spec", str(spec), "--params", str(empty_params(tmp_path)),
+            "--warmstart", str(model_dir), "--data", str(data), *[x for s in SETS for x in ("-S", s)]]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    for run in ("dense-s0", "smd-l0.1@0.5-s0"):
+        art = out / run / "artifacts"
+        assert (art / "iter-002" / "evaluate" / "metrics.json").is_file()
+        assert not (art / "iter-001" / "evaluate").exists()  # eval_every 2
+        start = json.loads((art / "iter-000" / "evaluate" / "metrics.json").read_text())
+        assert "eval/compressed/score" in start  # iteration 0: the warm start under the arm's own compression
+    # one start evaluation per evaluation setting (dense and SnapKV 0.5), shared by the arms that have it
+    assert len(list((out / "_start").iterdir())) == 2
+    text = (out / "report" / "report.md").read_text()
+    assert "| dense / dense @ 0.5 | 1 | 2 |" in text and "| smd λ0.1 / snapkv @ 0.5 | 1 | 2 |" in text
+    smd_row = next(line for line in text.splitlines() if line.startswith("| smd λ0.1"))
+    assert "(@0 " in smd_row.split("|")[7]  # compressed score at iteration 0, from the run's own iter-000
+    summary = json.loads((out / "compare.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["dense-s0", "smd-l0.1@0.5-s0"]
+    assert not any(r["skipped"] for r in summary["runs"]) and summary["wall_seconds"] > 0
+
+    # Rerun: every run is complete, nothing is recomputed.
+    before = {f: f.stat().st_mtime_ns for f in out.rglob("iter-*/**/*") if f.is_file()}
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert all(r["skipped"] for r in json.loads((out / "compare.json").read_text())["runs"])
+    assert {f: f.stat().st_mtime_ns for f in before} == before
+
+
+def test_compare_spec_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("iterations: 0\narms: {a: {}}\n")
+    with pytest.raises(SmdInputError, match=r"bad.yaml: iterations: "):
+        load_compare_spec(bad)
+    bad.write_text("arms: {'a/b': {}}\n")
+    with pytest.raises(SmdInputError, match="arm name"):
+        load_compare_spec(bad)
+    with pytest.raises(SmdInputError, match="no such comparison spec"):
+        load_compare_spec(tmp_path / "missing.yaml")
+    model_dir, data, spec = _inputs(tmp_path)
+    spec.write_text("arms: {x: {learner.objective: nonsense}}\n")
+    res = CliRunner().invoke(app, ["compare", "--out", str(tmp_path / "o"), "--spec", str(spec), "--params",
+                                   str(empty_params(tmp_path)), "--warmstart", str(model_dir), "--data", str(data)])
+    assert res.exit_code == 2 and "learner.objective" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing written before every arm's params validated
+    res = CliRunner().invoke(app, ["compare", "--out", str(tmp_path / "o"), "--spec", str(spec), "--arms", "nope",
+                                   "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir)])
+    assert res.exit_code == 2 and "no arm nope" in res.output
+
+
+def test_paper_comparison_spec_is_valid():
+    spec = load_compare_spec("experiments/paper_comparison.yaml")
+    assert len(spec.arms) == 10 and len(spec.seeds) >= 3
+    objectives = {a: o.get("learner.objective") for a, o in spec.arms.items()}
+    assert set(objectives.values()) == {"dense", "smd", "shadow", "naive", "tis", "sparse_rl"}
