@@ -41,11 +41,66 @@ _compiled: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
+def _patch_cpu_flex_symbol_names() -> bool:
+    """Work around a name clash in torch 2.13's CPU FlexAttention code generation (Inductor C++ template).
+
+    `CppFlexAttentionTemplate.modification` renames the two runtime tile sizes in the generated mask code with a
+    plain `str.replace` of their kernel names, e.g. "ks1" -> "cur_kvSplitSize". When a size the mask_mod reads
+    (here evict_at's key length, named after its dynamic symbol, e.g. "ks17") starts with the same characters, it
+    is mangled too ("cur_kvSplitSize7": `CppCompileError ... was not declared in this scope`). Which symbol
+    numbers a graph gets depends on the shapes (it hit the learn stage on micro-batches of 8 sequences shorter
+    than one 128-token block). The patch runs the original method with the renaming turned off and renames whole
+    identifiers only (regex word boundaries). Applied once, only where the method exists; returns whether it is
+    in place. torch is pinned (pyproject.toml), so the patched method is the one read here.
+    """
+    import re
+
+    try:
+        import sympy
+        import torch._inductor.compile_fx  # noqa: F401  (first: the template module alone is a circular import)
+        from torch._inductor.codegen import cpp as inductor_cpp
+        from torch._inductor.codegen.cpp_flex_attention_template import CppFlexAttentionTemplate
+    except ImportError:  # another torch layout: nothing to patch
+        return False
+    original = CppFlexAttentionTemplate.modification
+    if getattr(original, "_smd_patched", False):
+        return True
+    base_group = inductor_cpp.KernelGroup
+    groups: list[Any] = []
+
+    class RecordingKernelGroup(base_group):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            groups.append(self)
+
+    def modification(self, subgraph_buffer, output_name, output_idx):
+        block_vars = self.block_vars
+        self.block_vars = (sympy.Symbol("smd_unused_q"), sympy.Symbol("smd_unused_kv"))  # no str.replace
+        inductor_cpp.KernelGroup = RecordingKernelGroup
+        groups.clear()
+        try:
+            code = original(self, subgraph_buffer, output_name, output_idx)
+        finally:
+            inductor_cpp.KernelGroup = base_group
+            self.block_vars = block_vars
+        sizevars = groups[-1].args.sizevars
+        for var, name in zip(block_vars, ("cur_qSplitSize", "cur_kvSplitSize")):
+            if var in sizevars:
+                code = re.sub(rf"\b{re.escape(sizevars[var])}\b", name, code)
+        return code
+
+    modification._smd_patched = True  # type: ignore[attr-defined]
+    CppFlexAttentionTemplate.modification = modification
+    return True
+
+
 def _flex():
     """torch.compile(flex_attention) once per process (dynamic shapes: no recompilation per length)."""
     with _lock:
         if "fn" not in _compiled:
             import torch._dynamo
+
+            _patch_cpu_flex_symbol_names()
             from torch.nn.attention.flex_attention import flex_attention
 
             # Past the recompile limit dynamo silently runs flex_attention eagerly, which materialises the full
