@@ -40,6 +40,8 @@ def guarded(fn: Callable[[], T]) -> T:
 
 
 def echo_written(written: Any) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return  # under the launcher every process writes its part; rank 0 reports the artifacts
     if isinstance(written, dict):
         for key, value in written.items():
             console.print(f"[green]wrote[/green] {key}: {value}")

@@ -43,6 +43,7 @@ COMMAND_MODULES = [
     "cli.params_cmd",
     "cli.iterations",
     "cli.chain",
+    "cli.launch",
     "cli.compare",
 ]
 

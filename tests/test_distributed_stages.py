@@ -125,3 +125,37 @@ def test_failing_process_fails_every_process_and_writes_nothing(inputs):
         assert "\n" not in outcome["message"]
     assert not out.exists()
     assert list(out.parent.iterdir()) == []  # the temporary directory is gone too
+
+
+def test_launcher_argv():
+    from cli.launch import launcher_argv
+
+    cmd = ["rollout", "-i", "1", "--params", "params.yaml"]
+    assert launcher_argv(1, None, cmd, "smdctl", "deepspeed", 1234) == ["smdctl", *cmd]
+    assert launcher_argv(2, None, cmd, "smdctl", "deepspeed", 1234) == [
+        "deepspeed", "--num_gpus", "2", "--master_port", "1234", "--no_local_rank", "smdctl", *cmd]
+    assert launcher_argv(1, "hosts", cmd, "smdctl", "deepspeed", None) == [
+        "deepspeed", "--hostfile", "hosts", "--num_gpus", "1", "--no_local_rank", "smdctl", *cmd]
+
+
+@pytest.mark.slow
+def test_launch_two_processes_reports_one_line(inputs, tmp_path):
+    """~25 s: `smdctl launch` with pipeline.processes=2 runs the deepspeed launcher; bad input read by every
+    process gives one error line (rank 0's), exit code 2, nothing written."""
+    import subprocess
+    import sys
+
+    root, model_dir, prompts = inputs
+    smdctl = Path(sys.executable).parent / "smdctl"
+    params = tmp_path / "params.yaml"
+    params.write_text("pipeline:\n  processes: 2\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    run = subprocess.run([str(smdctl), "launch", "evaluate", "-i", "1", "--policy", str(tmp_path / "nope"),
+                          "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--no-progress", "-p", str(params)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2
+    errors = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("error:")]
+    assert errors == [f"error: rank 0 of 2 failed: {tmp_path / 'nope'}: no policy checkpoint (config.json missing)"]
+    assert not (tmp_path / "out").exists()

@@ -110,6 +110,15 @@ def command_function(cmd: str) -> tuple[str, ast.FunctionDef]:
     raise AssertionError(f"no cli module registers the command {m.group(1)!r}")
 
 
+def command_functions(cmd: str) -> list[tuple[str, ast.FunctionDef]]:
+    """What a stage's cmd runs: `smdctl NAME ...`, or `smdctl launch NAME ...` (cli/launch.py reads the process
+    count, then NAME runs under the launcher): both commands' modules and functions."""
+    m = re.match(r"smdctl\s+([\w-]+)(?:\s+([\w-]+))?", cmd)
+    assert m, f"cmd {cmd!r} does not run smdctl"
+    names = [m.group(1)] + ([m.group(2)] if m.group(1) == "launch" and m.group(2) else [])
+    return [command_function(f"smdctl {name}") for name in names]
+
+
 def covered(path: str, deps: list[str]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in deps)
 
@@ -272,8 +281,7 @@ def _reads(module: str, func: ast.FunctionDef, env: dict[str, str], seen: set) -
 
 
 def params_read(cmd: str) -> set[str]:
-    module, func = command_function(cmd)
-    return _reads(module, func, {}, set())
+    return {key for module, func in command_functions(cmd) for key in _reads(module, func, {}, set())}
 
 
 def declared_params(stage: dict[str, Any]) -> list[str]:
@@ -295,8 +303,7 @@ STAGES = dvc_stages()
 @pytest.mark.parametrize("name", sorted(STAGES))
 def test_deps_cover_the_code_the_command_runs(name):
     stage = STAGES[name]
-    module, _ = command_function(stage["cmd"])
-    files = closure(module)
+    files = {f for module, _ in command_functions(stage["cmd"]) for f in closure(module)}
     deps = code_deps(stage)
     missing = sorted(f for f in files if not covered(f, deps))
     stale = sorted(d for d in deps if not any(covered(f, [d]) for f in files))
@@ -328,3 +335,4 @@ def test_the_checks_see_what_the_issue_found():
     assert {"schemas/rewards.py", "schemas/masks.py", "stages/model.py"} <= rollout
     assert any(f.startswith("stages/kvcache/") for f in closure("cli.evaluate"))
     assert "schemas/masks.py" in closure("cli.learn")
+    assert {"pipeline.processes", "pipeline.hostfile", "rollout"} <= params_read("smdctl launch rollout -i 1")

@@ -98,6 +98,17 @@ class PipelineParams(BaseModel):
         description="On-policy iterations (rollout -> compact -> learn -> evaluate) after the warm start. "
         "dvc.yaml's chain is generated from it into iterations.yaml by `smdctl iterations`.",
     )
+    processes: int = Field(
+        1, ge=1, le=4096,
+        description="Processes per node for rollout, learn and evaluate (dvc.yaml runs them through `smdctl "
+        "launch`: the deepspeed launcher's --num_gpus; gloo on CPU, NCCL for the learner on GPU). 1 = one "
+        "process, no launcher. The artifacts are the same for any count.",
+    )
+    hostfile: str | None = Field(
+        None,
+        description="DeepSpeed hostfile (`host slots=N` lines) to run those stages on several nodes "
+        "(processes per node); the repository, venv and artifacts/ must be at the same path on every node.",
+    )
 
 
 class Params(BaseModel):

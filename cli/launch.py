@@ -1,0 +1,79 @@
+"""`smdctl launch CMD ...`: run `smdctl CMD ...` on `pipeline.processes` processes (per node) through the
+`deepspeed` launcher, on the nodes of `pipeline.hostfile` when set; in this process when 1 and no hostfile.
+
+dvc.yaml's rollout, learn and evaluate stages run through it, so the same `dvc repro` runs one process or
+many. The command's own `--params` / `--set` options go to launch, which reads the two keys and hands them on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import ParamsOption, SetOption, load
+
+
+def _tool(name: str) -> str:
+    """The executable beside this Python (the venv's), else the one on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else (shutil.which(name) or name)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_argv(processes: int, hostfile: str | None, command: list[str], smdctl: str, deepspeed: str,
+                  master_port: int | None) -> list[str]:
+    """The command line that runs `smdctl <command>`: smdctl itself for one process on this machine, else the
+    deepspeed launcher with `processes` processes per node (`--num_gpus`; CPU processes on a machine without
+    GPUs), the hostfile's nodes when given, and `--no_local_rank` (the processes read LOCAL_RANK from the
+    environment)."""
+    if processes == 1 and not hostfile:
+        return [smdctl, *command]
+    argv = [deepspeed]
+    if hostfile:
+        argv += ["--hostfile", hostfile]
+    argv += ["--num_gpus", str(processes)]
+    if master_port is not None:
+        argv += ["--master_port", str(master_port)]
+    return [*argv, "--no_local_rank", smdctl, *command]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def launch_cmd(
+        ctx: typer.Context,
+        command: Annotated[str, typer.Argument(help="The smdctl command to run (rollout, learn, evaluate, ...).")],
+        params: ParamsOption = Path("params.yaml"),
+        overrides: SetOption = None,
+    ) -> None:
+        """Run `smdctl COMMAND ARGS...` on pipeline.processes processes (per node; the nodes of pipeline.hostfile
+        when set) through the deepspeed launcher; in this process when 1 and no hostfile."""
+        p = load(params, overrides)
+        forwarded = [command, *ctx.args, "--params", str(params)]
+        for item in overrides or []:
+            forwarded += ["--set", item]
+        # One node: a free local port, so that concurrent runs on one machine do not collide (MASTER_PORT
+        # overrides). Several nodes: the port must be free on the first host; MASTER_PORT or the launcher's 29500.
+        port = os.environ.get("MASTER_PORT")
+        master_port = int(port) if port else (None if p.pipeline.hostfile else _free_port())
+        smdctl = _tool("smdctl")
+        argv = launcher_argv(p.pipeline.processes, p.pipeline.hostfile, forwarded, smdctl, _tool("deepspeed"),
+                             master_port)
+        env = dict(os.environ)
+        if argv[0] != smdctl and "DS_ACCELERATOR" not in env:
+            import torch  # the launcher's accelerator: CPU processes (gloo) on a machine without CUDA
+
+            env["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(argv[0], argv, env)
