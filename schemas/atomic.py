@@ -8,11 +8,21 @@ without the marker: a directory holding only smd's stage files (`STAGE_FILES`), 
 smd-owned directories counts as smd's too. `atomic_path` replaces an existing directory only when it is smd's
 by these rules (or is empty): smd never deletes or overwrites a directory it did not create, such as a
 user's model directory given as an output.
+
+Stale temporaries: a writer killed with SIGKILL (or a lost machine) leaves its temporary sibling behind:
+`.<name>.tmp-<8 hex>` (or `.<name>.old-<8 hex>` when killed between the two renames). The next write of the
+same target removes exactly those names, and only when no live writer can own them: every writer holds a
+shared `flock` on the target's parent directory while its temporary exists, and the cleanup runs only when an
+exclusive, non-blocking lock on that directory succeeds (the kernel drops a killed process's locks). When the
+lock is busy, unsupported (some network file systems) or the name differs in any way, nothing is removed; a
+temporary that is a link is unlinked, never followed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import re
@@ -96,6 +106,42 @@ def check_replaceable(path: str | os.PathLike) -> None:
         )
 
 
+def stale_temporaries(final: str | os.PathLike) -> list[Path]:
+    """The temporaries `atomic_path` names for `final` that exist beside it (`.<name>.tmp-<8 hex>`,
+    `.<name>.old-<8 hex>`): only these names, never another entry of the directory."""
+    final = Path(final)
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-[0-9a-f]{{8}}$")
+    try:
+        return sorted(entry for entry in final.parent.iterdir() if pattern.match(entry.name))
+    except OSError:
+        return []
+
+
+@contextlib.contextmanager
+def _writer_lock(final: Path) -> Iterator[None]:
+    """Hold a shared lock on `final`'s parent while writing; first remove `final`'s stale temporaries when an
+    exclusive lock shows that no other writer is active there (their shared locks would block it)."""
+    try:
+        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        exclusive, lockable = True, True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:  # another writer is active (EWOULDBLOCK), or no flock here: remove nothing
+            exclusive, lockable = False, exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        if exclusive:
+            for stale in stale_temporaries(final):
+                _remove(stale)
+        if lockable:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: a downgrade; else wait out a cleanup in progress
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `final`; on success replace `final` with it, on error delete it.
@@ -103,22 +149,24 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     Works for files and directories (Zarr stores, model folders): readers never see a partial artifact.
     A directory built at the temporary path gets the ownership marker (a Zarr store: its root attributes
     instead, which its writer sets). An existing `final` that is a
-    directory smd did not create is refused (SmdInputError), before and after the body runs.
+    directory smd did not create is refused (SmdInputError), before and after the body runs. Temporaries of
+    `final` left by a killed writer are removed first (see the module docstring).
     """
     final = Path(final)
     check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        yield tmp
-        if tmp.is_dir() and not tmp.is_symlink() and not _zarr_root(tmp):
-            (tmp / OWNER_MARKER).write_text(OWNER_TEXT)
-        check_replaceable(final)  # something may have appeared at `final` while the body ran
-    except BaseException:
-        _remove(tmp)
-        raise
-    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-    if final.exists() or final.is_symlink():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _remove(old)
+    with _writer_lock(final):
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            yield tmp
+            if tmp.is_dir() and not tmp.is_symlink() and not _zarr_root(tmp):
+                (tmp / OWNER_MARKER).write_text(OWNER_TEXT)
+            check_replaceable(final)  # something may have appeared at `final` while the body ran
+        except BaseException:
+            _remove(tmp)
+            raise
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        if final.exists() or final.is_symlink():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _remove(old)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import resource
 import sys
 import time
@@ -396,6 +397,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     ctx = init_distributed()
     torch.manual_seed(seed * 1_000_003 + iteration)
     np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
+    random.seed(seed * 1_000_003 + iteration)  # every RNG the trainer state saves: reruns are byte-identical
     model.to(ctx.device)
     model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
     steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
