@@ -171,6 +171,15 @@ class LearnerParams(BaseModel):
     flex_block_size: int = Field(
         128, ge=16, description="FlexAttention block size (query and key tiles); sequences are padded to it."
     )
+    logit_chunk_tokens: int = Field(
+        256,
+        ge=1,
+        description="Response tokens whose logits exist at once: log-probs, entropy and the dense-teacher KL are "
+        "computed from the final hidden states through the lm head this many tokens at a time, and the backward "
+        "recomputes each chunk (stages/learner/logprobs.py), so the learner never holds [B, T, V] logits. Logit "
+        "memory ~ 3 x chunk x vocabulary x 4 bytes (256 x 151,936: ~0.45 GiB); the tiny model's batches fit one "
+        "chunk. Larger = fewer, larger lm-head matmuls.",
+    )
     parity_tol: float = Field(
         1e-4,
         gt=0.0,

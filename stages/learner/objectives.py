@@ -470,6 +470,7 @@ def objective_loss(
     dense_logp: Tensor | None = None,
     masked_logits: Tensor | None = None,
     dense_logits: Tensor | None = None,
+    kl_per_token: Tensor | None = None,
     old_logp: Tensor | None = None,
     ref_logp: Tensor | None = None,
     kl_lambda: float = 0.1,
@@ -502,6 +503,9 @@ def objective_loss(
       masked_logits, dense_logits [B, T, V] response-position logits (before temperature) - smd with
                      kl_lambda > 0. The dense ones are detached here. For shadow they are optional and only
                      logged.
+      kl_per_token   [B, T] KL(sg[pi_dense] || pi_masked) per response token, already computed (with gradient)
+                     from hidden states in token chunks (`stages.learner.logprobs.chunked_token_scores`): used in
+                     place of the two logits tensors, which are then not needed.
       old_logp       [B, T] proximal policy for the ratio. Default: rollout_logp for smd/shadow (the shadow
                      policy *is* the rollout policy) and naive_bypass/dense (the rollout's log-probs taken as
                      the old policy); dense_logp.detach() for naive/tis/sparse_rl (the dense learner's own
@@ -578,12 +582,18 @@ def objective_loss(
 
     kl_dense_value = 0.0
     if objective == "smd" and kl_lambda > 0:
-        _need(objective, masked_logits=masked_logits, dense_logits=dense_logits)
-        kl_dense = dense_teacher_kl(
-            masked_logits, dense_logits, valid, temperature=temperature, loss_agg=loss_agg
-        )
+        if kl_per_token is not None:
+            _same_shape("kl_per_token", kl_per_token, rollout_logp, "rollout_logp")
+            kl_dense = aggregate(kl_per_token, valid, loss_agg)
+        else:
+            _need(objective, masked_logits=masked_logits, dense_logits=dense_logits)
+            kl_dense = dense_teacher_kl(
+                masked_logits, dense_logits, valid, temperature=temperature, loss_agg=loss_agg
+            )
         total = total + kl_lambda * kl_dense
         kl_dense_value = float(kl_dense.detach())
+    elif objective in ("smd", "shadow") and kl_per_token is not None:
+        kl_dense_value = float(aggregate(kl_per_token.detach(), valid, loss_agg))  # logged only
     elif objective in ("smd", "shadow") and masked_logits is not None and dense_logits is not None:
         with torch.no_grad():  # logged only
             kl_dense_value = float(

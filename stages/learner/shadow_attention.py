@@ -66,26 +66,42 @@ def response_index(prompt_lens: list[int], resp_lens: list[int], offset: int = 0
     return idx, valid
 
 
+def decoder_of(model):
+    """The model's decoder stack without its lm head (Qwen3ForCausalLM.model, ...): final hidden states."""
+    return getattr(model, model.base_model_prefix)
+
+
+def response_hidden(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
+                    resp_lens: list[int], backend: str = "sdpa", **extra) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final hidden states at the positions that predict the response tokens of a right-padded batch.
+
+    Returns (hidden [B, R_max, D], target tokens [B, R_max], valid [B, R_max]); the lm head is not applied (see
+    `stages.learner.logprobs.chunked_token_scores`, which applies it in token chunks). With evict_at
+    ([L, B, H, T]) the shadow mask is replayed, with None the forward is dense (full causal context).
+    """
+    B, T = input_ids.shape
+    position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    decoder = decoder_of(model)
+    if evict_at is None:
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    else:
+        with attention_implementation(model, SHADOW_ATTENTION):
+            hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, smd_evict_at=evict_at,
+                             smd_backend=backend, **extra).last_hidden_state
+    start = min(prompt_lens) - 1  # the first position whose hidden state predicts a response token
+    (sel,), targets, valid = gather_response((hidden[:, start:],), input_ids, prompt_lens, resp_lens, start)
+    return sel, targets, valid
+
+
 def response_logits(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
                     resp_lens: list[int], backend: str = "sdpa", **extra) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits at the response positions of a right-padded batch, without the full [B, T, V] logits.
 
-    Returns (logits [B, R_max, V] before temperature, target tokens [B, R_max], valid [B, R_max]); the
-    lm head runs only on positions >= min(prompt_lens) - 1 (`logits_to_keep`). With evict_at ([L, B, H, T])
-    the shadow mask is replayed, with None the forward is dense (full causal context).
+    Returns (logits [B, R_max, V] before temperature, target tokens [B, R_max], valid [B, R_max]): the lm head
+    of `response_hidden`. Holds [B, R_max, V] logits: the learner scores through `chunked_token_scores` instead.
     """
-    B, T = input_ids.shape
-    start = min(prompt_lens) - 1
-    keep = T - start
-    position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
-    if evict_at is None:
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
-    else:
-        with attention_implementation(model, SHADOW_ATTENTION):
-            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
-                           smd_evict_at=evict_at, smd_backend=backend, **extra).logits
-    (sel,), targets, valid = gather_response((logits,), input_ids, prompt_lens, resp_lens, start)
-    return sel, targets, valid
+    hidden, targets, valid = response_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, **extra)
+    return model.get_output_embeddings()(hidden), targets, valid
 
 
 def gather_response(logits: tuple[torch.Tensor, ...], input_ids: torch.Tensor, prompt_lens: list[int],
@@ -132,15 +148,15 @@ def shared_prefix_length(evict_at: torch.Tensor, prompt_lens: list[int], align: 
     return max(s // align * align, 0)
 
 
-def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch.Tensor, prompt_lens: list[int],
+def response_hidden_with_teacher(model, input_ids: torch.Tensor, evict_at: torch.Tensor, prompt_lens: list[int],
                                  resp_lens: list[int], backend: str = "sdpa", block_size: int = 128):
-    """The shadow-masked policy's response logits (with gradient) and the dense teacher's (no gradient) in
-    one pass over the shared prefix.
+    """The shadow-masked policy's final hidden states at the response positions (with gradient) and the dense
+    teacher's (no gradient) in one pass over the shared prefix.
 
     Nothing is evicted before the first eviction position s (prefill attends densely), so rows [0, s) are the
     same for both policies: they run once (plain causal attention, with gradient) into a KV cache; then the
     rows [s, T) run twice on top of it — densely under no_grad (teacher), then shadow-masked with gradient.
-    Returns (masked logits [B, R, V], dense logits [B, R, V] detached, targets [B, R], valid [B, R]).
+    Returns (masked hidden [B, R, D], dense hidden [B, R, D] detached, targets [B, R], valid [B, R]).
     """
     from transformers import DynamicCache
 
@@ -149,33 +165,46 @@ def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     s = shared_prefix_length(evict_at, prompt_lens, align)
     if s == 0:
         with torch.no_grad():
-            dense, _, _ = response_logits(model, input_ids, None, prompt_lens, resp_lens)
+            dense, _, _ = response_hidden(model, input_ids, None, prompt_lens, resp_lens)
         extra = {}
         if backend == "flex":
             from stages.learner.flex_backend import build_block_masks
 
             extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
-        masked, targets, valid = response_logits(model, input_ids, evict_at, prompt_lens, resp_lens, backend, **extra)
+        masked, targets, valid = response_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, **extra)
         return masked, dense, targets, valid
-    start = min(prompt_lens) - 1
-    keep = T - start
+    decoder = decoder_of(model)
     positions = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
     cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids[:, :s], position_ids=positions[:, :s], past_key_values=cache, use_cache=True,
-          logits_to_keep=1)
+    decoder(input_ids=input_ids[:, :s], position_ids=positions[:, :s], past_key_values=cache, use_cache=True)
     suffix, suffix_pos = input_ids[:, s:], positions[:, s:]
     with torch.no_grad():
         teacher_cache = DynamicCache([(layer.keys.detach(), layer.values.detach()) for layer in cache.layers],
                                      config=model.config)
-        dense = model(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache, use_cache=True,
-                      logits_to_keep=keep).logits
+        dense = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache,
+                        use_cache=True).last_hidden_state
     extra = {}
     if backend == "flex":
         from stages.learner.flex_backend import build_block_masks
 
         extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
     with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-        masked = model(input_ids=suffix, position_ids=suffix_pos, past_key_values=cache, use_cache=True,
-                       logits_to_keep=keep, smd_evict_at=evict_at, smd_backend=backend, **extra).logits
-    (masked, dense), targets, valid = gather_response((masked, dense), input_ids, prompt_lens, resp_lens, start)
+        masked = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=cache, use_cache=True,
+                         smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
+    # hidden rows [s, T); s <= start = min(prompt_lens) - 1, the first row the loss needs
+    start = min(prompt_lens) - 1
+    (masked, dense), targets, valid = gather_response((masked[:, start - s:], dense[:, start - s:]), input_ids,
+                                                      prompt_lens, resp_lens, start)
     return masked, dense, targets, valid
+
+
+def response_logits_with_teacher(model, input_ids: torch.Tensor, evict_at: torch.Tensor, prompt_lens: list[int],
+                                 resp_lens: list[int], backend: str = "sdpa", block_size: int = 128):
+    """`response_hidden_with_teacher` through the lm head: (masked logits [B, R, V], dense logits [B, R, V]
+    detached, targets [B, R], valid [B, R]). Holds [B, R, V] logits twice (benches and tests)."""
+    masked, dense, targets, valid = response_hidden_with_teacher(model, input_ids, evict_at, prompt_lens, resp_lens,
+                                                                 backend, block_size)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        dense_logits = head(dense)
+    return head(masked), dense_logits, targets, valid

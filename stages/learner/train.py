@@ -14,7 +14,7 @@ Flow of `learn(...)`, one named step each:
   3. `train_step` x (epochs x updates_per_epoch): per micro-batch (`micro_step`) the shadow-masked forward
      with gradient (smd, shadow) or the dense one (naive, naive_bypass, dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
-     prompt, prefilled densely) are the same for both and run once (`response_logits_with_teacher`);
+     prompt, prefilled densely) are the same for both and run once (`response_hidden_with_teacher`; log-probs, entropy and the teacher KL from the final hidden states in token chunks, `chunked_token_scores`);
      `objective_loss`. Each micro-batch loss is weighted by its share of the mini-batch's aggregation
      denominator (valid kept tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
      gradient over micro-batches and processes equals the gradient of the objective on the whole mini-batch.
@@ -60,6 +60,7 @@ from stages.learner.engine import (
     make_engine,
     save_trainer_state,
 )
+from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
 from stages.learner.metrics import check_finite, mismatch_metrics
 from stages.learner.objectives import (
     RECOMPUTED_OLD,
@@ -68,11 +69,9 @@ from stages.learner.objectives import (
     objective_loss,
     sparse_rl_rules,
     sparse_rl_weight_sums,
-    token_entropy,
-    token_logprobs,
     zero_advantage_group_fraction,
 )
-from stages.learner.shadow_attention import response_logits, response_logits_with_teacher
+from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
 from stages.model import check_positions, load_policy, load_tokenizer
 
 MASKED_OBJECTIVES = ("smd", "shadow")
@@ -98,12 +97,14 @@ def lr_at(step: int, cfg: LearnerParams) -> float:
 
 
 # ------------------------------------------------------------------------------------------ scoring
-def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature: float):
-    """(response logits [B, R, V], log-probs of the sampled tokens at `temperature` [B, R], 0 at padding)."""
-    sel, targets, valid = response_logits(model, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens,
-                                          mb.resp_lens, backend, **(mb.forward_extra() if masked else {}))
-    logp = token_logprobs(sel, targets, temperature).masked_fill(~valid, 0.0)
-    return sel, logp
+def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature: float,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict[str, torch.Tensor]:
+    """Scores of the sampled response tokens (`chunked_token_scores`: logp [B, R] at `temperature` and entropy
+    [B, R], 0 at padding), shadow-masked when `masked`, else dense; never [B, R, V] logits at once."""
+    hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens,
+                                             mb.resp_lens, backend, **(mb.forward_extra() if masked else {}))
+    return chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
+                                chunk_tokens=chunk_tokens)
 
 
 def length_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[int]]:
@@ -115,15 +116,14 @@ def length_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[i
 @torch.no_grad()
 def score_rows(model, data: LearnerData, rows: list[int], *, masked: bool, temperature: float,
                micro_batch_size: int, backend: str = "sdpa", block_size: int = 128,
-               device: torch.device | str = "cpu") -> dict[int, np.ndarray]:
+               device: torch.device | str = "cpu", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict[int, np.ndarray]:
     """Learner log-probs of every response token of `rows`, micro-batched and right-padded as in training
     (shadow-masked when `masked`, else dense). Returns {row: float32 [R_row]}."""
     num_q = model.config.num_attention_heads
     out: dict[int, np.ndarray] = {}
     for chunk in length_grouped(data, rows, micro_batch_size):
         mb = build_micro_batch(data, chunk, masked, backend, block_size, num_q, device=device)
-        _, logp = forward_logp(model, mb, masked, backend, temperature)
-        logp = logp.float().cpu()
+        logp = forward_logp(model, mb, masked, backend, temperature, chunk_tokens)["logp"].float().cpu()
         for b, r in enumerate(chunk):
             out[r] = logp[b, : mb.resp_lens[b]].numpy().copy()
     return out
@@ -401,7 +401,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     model.to(ctx.device)
     model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
     steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
-    engine = make_engine(model, cfg, ctx, grad_accum)
+    engine = make_engine(model, cfg, ctx, grad_accum, resume_from=policy_path if cfg.resume_optimizer else None)
     resumed = load_trainer_state(engine, policy_path, cfg, ctx) if cfg.resume_optimizer else None
     say = (log or (lambda msg: None)) if ctx.is_main else (lambda msg: None)  # progress lines from rank 0 only
     return LearnerRun(params=params, cfg=cfg, iteration=iteration, policy_path=policy_path, ctx=ctx, engine=engine,
@@ -418,7 +418,8 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     cfg, data, ctx = run.cfg, run.data, run.ctx
     t0 = time.perf_counter()
     score = dict(masked=run.masked, temperature=run.temperature, micro_batch_size=cfg.micro_batch_size,
-                 backend=cfg.attention_backend, block_size=cfg.flex_block_size, device=ctx.device)
+                 backend=cfg.attention_backend, block_size=cfg.flex_block_size, device=ctx.device,
+                 chunk_tokens=cfg.logit_chunk_tokens)
     all_rows = list(range(len(data)))
     my_rows = all_rows[ctx.rank :: ctx.world]
     old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
@@ -455,26 +456,25 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     # (with the teacher, block masks are built for the shared-prefix split inside the forward)
     mb = build_micro_batch(run.data, rows, masked, "sdpa" if run.teacher else backend, cfg.flex_block_size,
                            module.config.num_attention_heads, device=run.ctx.device)
-    dense_sel = dense_logp = None
     if run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
-        sel, dense_sel, targets, valid = response_logits_with_teacher(
+        hidden, teacher_hidden, targets, valid = response_hidden_with_teacher(
             module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
-        logp = token_logprobs(sel, targets, temperature).masked_fill(~valid, 0.0)
-        with torch.no_grad():
-            dense_logp = token_logprobs(dense_sel, targets, temperature).masked_fill(~valid, 0.0)
+        scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
+                                      chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
     else:
-        sel, logp = forward_logp(module, mb, masked, backend, temperature)
+        scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
+    logp, dense_logp = scores["logp"], scores.get("teacher_logp")
     old_t = _rows_tensor(rows, old, mb) if cfg.objective in RECOMPUTED_OLD else None
     ref_t = _rows_tensor(rows, ref, mb) if ref is not None else None
     loss, terms = objective_loss(
         cfg.objective, advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
         masked_logp=logp if masked else None, dense_logp=None if masked else logp,
-        masked_logits=sel if masked else None, dense_logits=dense_sel,
-        old_logp=old_t, ref_logp=ref_t, sparse_rl_weight_mean=weight_mean, **objective_kwargs(cfg, temperature),
+        kl_per_token=scores.get("kl"), old_logp=old_t, ref_logp=ref_t, sparse_rl_weight_mean=weight_mean,
+        **objective_kwargs(cfg, temperature),
     )
     run.engine.backward(loss * (weight * run.ctx.world), scale_wrt_gas=False)
     run.engine.step()
-    return terms, mb, logp, dense_logp, token_entropy(sel, temperature)
+    return terms, mb, logp, dense_logp, scores["entropy"]
 
 
 def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, np.ndarray],

@@ -1,0 +1,159 @@
+"""Chunked response scoring (issue 16, item 1): log-probs, dense-teacher KL and entropy through the lm head in
+token chunks equal the full-logits computation in values and gradients (1e-6), for the head alone and for the
+learner's whole smd loss through the model (shared-prefix teacher split)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.errors import SmdInputError
+from stages.learner.logprobs import chunked_token_scores, lm_head_of
+from stages.learner.objectives import (
+    dense_teacher_kl_per_token,
+    group_advantages,
+    objective_loss,
+    token_entropy,
+    token_logprobs,
+)
+from stages.learner.shadow_attention import (
+    pad_evict_at,
+    response_hidden_with_teacher,
+    response_logits,
+    response_logits_with_teacher,
+)
+from stages.model import load_policy
+from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
+from tests.helpers import make_model_dir
+
+TOL = 1e-6
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """max |a - b| <= tol x max(1, max |b|): float32 rounding scales with the magnitude."""
+    return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+def _head_case(seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    B, R, D, V = 3, 7, 16, 300
+    head = torch.nn.Linear(D, V, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=g) * 0.5)
+        if bias:
+            head.bias.copy_(torch.randn(V, generator=g))
+    hidden = torch.randn(B, R, D, generator=g, dtype=dtype).requires_grad_()
+    teacher = torch.randn(B, R, D, generator=g, dtype=dtype)
+    targets = torch.randint(0, V, (B, R), generator=g)
+    valid = torch.ones(B, R, dtype=torch.bool)
+    valid[1, 4:] = False
+    valid[2, :] = False  # a row without response tokens
+    w_logp = torch.randn(B, R, generator=g)
+    w_kl = torch.rand(B, R, generator=g)
+    return head, hidden, teacher, targets, valid, w_logp, w_kl
+
+
+def _grads(loss, params):
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_chunked_scores_equal_full_logits_values_and_gradients(chunk):
+    """Values and gradients equal the [B, R, V]-logits computation to 1e-6 (relative to their scale: logits of
+    magnitude ~10 here; the model-level test below holds 1e-6 absolute)."""
+    tol = TOL
+    head, hidden, teacher, targets, valid, w_logp, w_kl = _head_case()
+    T = 0.8
+    params = [hidden, head.weight, head.bias]
+    # today's path: [B, R, V] logits
+    logits = head(hidden)
+    with torch.no_grad():
+        t_logits = head(teacher)
+    ref_logp = token_logprobs(logits, targets, T).masked_fill(~valid, 0.0)
+    ref_kl = dense_teacher_kl_per_token(logits, t_logits, T).masked_fill(~valid, 0.0)
+    ref_ent = token_entropy(logits, T).masked_fill(~valid, 0.0)
+    ref_tlogp = token_logprobs(t_logits, targets, T).masked_fill(~valid, 0.0)
+    ref_g = _grads((w_logp * ref_logp + w_kl * ref_kl).sum(), params)
+
+    out = chunked_token_scores(hidden, head, targets, valid, temperature=T, chunk_tokens=chunk,
+                               teacher_hidden=teacher)
+    for name, ref in (("logp", ref_logp), ("kl", ref_kl), ("entropy", ref_ent), ("teacher_logp", ref_tlogp)):
+        assert out[name].shape == ref.shape and out[name].dtype == torch.float32
+        assert _close(out[name].detach().double(), ref.double(), tol), name
+    assert not out["entropy"].requires_grad and not out["teacher_logp"].requires_grad
+    got_g = _grads((w_logp * out["logp"] + w_kl * out["kl"]).sum(), params)
+    for name, a, b in zip(("hidden", "weight", "bias"), ref_g, got_g):
+        assert a.dtype == b.dtype and _close(b, a, tol), name
+    assert float(got_g[0][2].abs().max()) == 0.0  # invalid positions get no gradient
+
+
+def test_chunked_scores_without_teacher_and_head_without_bias():
+    head, hidden, _, targets, valid, w_logp, _ = _head_case(seed=1, bias=False)
+    ref_logp = token_logprobs(head(hidden), targets).masked_fill(~valid, 0.0)
+    ref_g = _grads((w_logp * ref_logp).sum(), [hidden, head.weight])
+    out = chunked_token_scores(hidden, head, targets, valid, chunk_tokens=3)
+    assert set(out) == {"logp", "entropy"}
+    assert float((out["logp"] - ref_logp).abs().max()) <= TOL
+    for a, b in zip(ref_g, _grads((w_logp * out["logp"]).sum(), [hidden, head.weight])):
+        assert float((a - b).abs().max()) <= TOL
+
+
+def test_chunked_scores_bad_input_one_line():
+    head, hidden, teacher, targets, valid, _, _ = _head_case()
+    with pytest.raises(SmdInputError, match="chunk_tokens must be >= 1"):
+        chunked_token_scores(hidden, head, targets, valid, chunk_tokens=0)
+    with pytest.raises(SmdInputError, match="teacher_hidden: shape"):
+        chunked_token_scores(hidden, head, targets, valid, teacher_hidden=teacher[:, :3])
+
+
+def test_lm_head_of_refuses_softcapped_logits(tmp_path):
+    model = load_policy(make_model_dir(tmp_path, "gqa"))
+    assert lm_head_of(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(SmdInputError, match="final_logit_softcapping"):
+        lm_head_of(model)
+
+
+def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
+    """The learner's smd loss (GRPO on the shadow-masked policy + KL to the dense teacher, shared-prefix split) from
+    chunked scores equals the loss from [B, R, V] logits, and so do the gradients of every parameter."""
+    model = load_policy(make_model_dir(tmp_path, "gqa"))
+    rng = np.random.default_rng(0)
+    lengths, prompt = [60, 52, 47], 36
+    ev = eviction_config("snapkv", 0.5, sinks=2, window=4)
+    rows = [torch.from_numpy(synthetic_evict_at("snapkv", T, prompt, 2, 2, ev, rng).astype(np.int64))
+            for T in lengths]
+    T = max(lengths)
+    evict_at = pad_evict_at(rows, T)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 200, (3, T), generator=g)
+    prompt_lens, resp_lens = [prompt] * 3, [n - prompt for n in lengths]
+    rollout = -torch.rand(3, max(resp_lens), generator=g)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 2.0]), group_size=3)
+    kw = dict(advantages=adv, rollout_logp=rollout, kl_lambda=0.1, temperature=0.8)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    sel, dsel, targets, valid = response_logits_with_teacher(model, ids, evict_at, prompt_lens, resp_lens)
+    logp = token_logprobs(sel, targets, 0.8).masked_fill(~valid, 0.0)
+    ref_loss, ref_terms = objective_loss("smd", mask=valid, masked_logp=logp, masked_logits=sel, dense_logits=dsel,
+                                         **kw)
+    ref_g = torch.autograd.grad(ref_loss, params)
+
+    hidden, teacher, targets2, valid2 = response_hidden_with_teacher(model, ids, evict_at, prompt_lens, resp_lens)
+    assert torch.equal(targets, targets2) and torch.equal(valid, valid2)
+    scores = chunked_token_scores(hidden, lm_head_of(model), targets2, valid2, temperature=0.8, chunk_tokens=5,
+                                  teacher_hidden=teacher)
+    loss, terms = objective_loss("smd", mask=valid2, masked_logp=scores["logp"], kl_per_token=scores["kl"], **kw)
+    assert abs(float(loss) - float(ref_loss)) <= TOL and abs(terms["kl_dense"] - ref_terms["kl_dense"]) <= TOL
+    assert ref_terms["kl_dense"] > 0
+    for p, a, b in zip(params, ref_g, torch.autograd.grad(loss, params)):
+        assert float((a - b).abs().max()) <= TOL, p.shape
+    # the dense learner's path (no teacher): response logits vs chunked scores
+    dense_sel, t3, v3 = response_logits(model, ids, None, prompt_lens, resp_lens)
+    ref_dense = token_logprobs(dense_sel, t3, 0.8).masked_fill(~v3, 0.0)
+    from stages.learner.shadow_attention import response_hidden
+
+    h3, _, _ = response_hidden(model, ids, None, prompt_lens, resp_lens)
+    got = chunked_token_scores(h3, lm_head_of(model), t3, v3, temperature=0.8, chunk_tokens=7)["logp"]
+    assert float((got - ref_dense).abs().max()) <= TOL
