@@ -12,33 +12,47 @@ micro-batches and processes is exactly the objective of the whole mini-batch (se
 
 Trainer state (`<policy>/trainer_state/`): a DeepSpeed checkpoint (optimizer moments, ZeRO partitions,
 step counters) with tag `state`, plus `trainer_state.json` (world size, ZeRO stage, global step, RNG
-states live in the checkpoint's client state). The next iteration resumes from it when the number of
-processes and the ZeRO stage match; otherwise it starts a fresh optimizer and says so.
+states live in the checkpoint's client state). The next iteration resumes from it (`resume_mode`): with
+the same number of processes and ZeRO stage (or ZeRO stage 0, whose optimizer state is not partitioned)
+straight from it; with another process count or ZeRO stage 1 <-> 2 through DeepSpeed's universal
+checkpoint (`deepspeed.checkpoint.ds_to_universal`, loaded with the config's `checkpoint.load_universal`),
+which re-partitions the optimizer state for the new processes; between ZeRO stage 0 and 1/2 it starts a
+fresh optimizer and says so.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import logging
 import os
 import random
+import shutil
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from schemas.params.learner import LearnerParams
-from stages.distributed import DistContext, init_distributed  # noqa: F401 - the learner's process group
+from stages.distributed import DistContext, agree, init_distributed  # noqa: F401 - the learner's process group
 
 TRAINER_STATE = "trainer_state"
 STATE_TAG = "state"
 STATE_JSON = "trainer_state.json"
+UNIVERSAL_TAG = f"{STATE_TAG}_universal"
+SAME, UNIVERSAL = "same", "universal"
 
 
-def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtype, cuda: bool) -> dict[str, Any]:
+def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtype, cuda: bool,
+              load_universal: bool = False) -> dict[str, Any]:
     return {
+        "checkpoint": {"load_universal": load_universal},
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": cfg.micro_batch_size * grad_accum * world,
@@ -52,8 +66,10 @@ def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtyp
     }
 
 
-def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int):
-    """deepspeed.initialize with a torch AdamW (fp32 on CPU; bf16/fp16 only on CUDA with such a model)."""
+def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int, resume_from: Path | None = None):
+    """deepspeed.initialize with a torch AdamW (fp32 on CPU; bf16/fp16 only on CUDA with such a model).
+    `resume_from`: the policy whose trainer state will be loaded (the universal-checkpoint switch is part of
+    the engine's config)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
     import deepspeed
     from deepspeed.utils import logger as ds_logger
@@ -64,7 +80,8 @@ def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int):
     dtype = next(model.parameters()).dtype
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
-        config=ds_config(cfg, ctx.world, grad_accum, dtype, ctx.device.type == "cuda"),
+        config=ds_config(cfg, ctx.world, grad_accum, dtype, ctx.device.type == "cuda",
+                         load_universal=resume_from is not None and resume_mode(resume_from, cfg, ctx) == UNIVERSAL),
     )
     return engine
 
@@ -103,25 +120,88 @@ def save_trainer_state(engine, directory: Path, meta: dict[str, Any], ctx: DistC
         (directory / STATE_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistContext) -> dict[str, Any] | None:
-    """Resume optimizer state, step counter and RNG from `<policy>/trainer_state`; None when absent/incompatible."""
-    directory = Path(policy_path) / TRAINER_STATE
-    meta_path = directory / STATE_JSON
+def _saved_meta(policy_path: Path) -> dict[str, Any] | None:
+    meta_path = Path(policy_path) / TRAINER_STATE / STATE_JSON
     if not meta_path.exists():
         return None
     try:
-        meta = json.loads(meta_path.read_text())
+        return json.loads(meta_path.read_text())
     except json.JSONDecodeError:
-        meta = {}
+        return {}
+
+
+def resume_mode(policy_path: Path, cfg: LearnerParams, ctx: DistContext) -> str | None:
+    """How the trainer state saved beside `policy_path` resumes under this run's process count and ZeRO stage:
+    SAME (DeepSpeed's checkpoint as saved), UNIVERSAL (converted to a universal checkpoint) or None (nothing
+    saved, or ZeRO stage 0 on one side only: a fresh optimizer)."""
+    meta = _saved_meta(policy_path)
+    if meta is None:
+        return None
+    world, stage = meta.get("world_size"), meta.get("zero_stage")
+    if stage == cfg.zero_stage and (world == ctx.world or stage == 0):
+        return SAME  # stage 0: every process holds the whole optimizer state (one file for any count)
+    if stage in (1, 2) and cfg.zero_stage in (1, 2) and isinstance(world, int):
+        return UNIVERSAL
+    return None
+
+
+def _to_universal(state_dir: Path, out_dir: Path) -> None:
+    """DeepSpeed's converter (ds_to_universal) of the ZeRO checkpoint `state_dir` into `out_dir` (quietly)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(state_dir), output_folder=str(out_dir), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              # states saved before the learner recorded universal-checkpoint info
+                              inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_to_universal.main(args)
+
+
+def _load_universal(engine, directory: Path, ctx: DistContext) -> tuple[str | None, dict[str, Any] | None]:
+    """Collective: rank 0 converts `directory`'s checkpoint into a scratch directory beside the policy (visible
+    to every process, like the policy itself); every process loads its new partition; rank 0 removes it."""
+    scratch = None
+    if ctx.is_main:
+        scratch = directory.parent.parent / f".{directory.parent.name}.universal-{uuid.uuid4().hex[:8]}"
+    error = None
+    if ctx.is_main:
+        try:
+            _to_universal(directory / STATE_TAG, scratch / UNIVERSAL_TAG)
+        except Exception as exc:  # noqa: BLE001 - reported on every process by `agree`
+            error = exc
+    try:
+        scratch = Path(agree(ctx, str(scratch) if scratch else None, error)[0])
+        return engine.load_checkpoint(str(scratch), tag=UNIVERSAL_TAG, load_optimizer_states=True,
+                                      load_lr_scheduler_states=False, load_module_strict=True)
+    finally:
+        if ctx.world > 1:
+            dist.barrier()
+        if ctx.is_main and scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistContext) -> dict[str, Any] | None:
+    """Resume optimizer state, step counter and RNG from `<policy>/trainer_state`; None when absent/incompatible.
+
+    Another process count (or ZeRO stage 1 <-> 2) goes through DeepSpeed's universal checkpoint; the engine
+    must then have been built with `make_engine(..., resume_from=policy_path)`."""
+    directory = Path(policy_path) / TRAINER_STATE
+    meta = _saved_meta(policy_path)
+    if meta is None:
+        return None
+    mode = resume_mode(policy_path, cfg, ctx)
     want = {"world_size": ctx.world, "zero_stage": cfg.zero_stage}
     got = {k: meta.get(k) for k in want}
-    if got != want:
+    if mode is None:
         if ctx.is_main:
             print(f"warning: {directory}: saved with {got}, running with {want}; starting a fresh optimizer",
                   file=sys.stderr)
         return None
-    load_path, client = engine.load_checkpoint(str(directory), tag=STATE_TAG, load_optimizer_states=True,
-                                               load_lr_scheduler_states=False, load_module_strict=True)
+    if mode == UNIVERSAL:
+        load_path, client = _load_universal(engine, directory, ctx)
+    else:
+        load_path, client = engine.load_checkpoint(str(directory), tag=STATE_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False, load_module_strict=True)
     if load_path is None:
         if ctx.is_main:
             print(f"warning: {directory}: unreadable DeepSpeed checkpoint; starting a fresh optimizer", file=sys.stderr)
@@ -129,4 +209,4 @@ def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistC
     set_hyperparameters(engine, cfg)
     if client and "rng" in client:
         set_rng_state(client["rng"])
-    return meta
+    return {**meta, "resumed_from": got, "resume_mode": mode}
