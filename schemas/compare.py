@@ -26,6 +26,9 @@ class CompareSpec(BaseModel):
     eval_every: int = Field(4, ge=1, description="Evaluate every K iterations (and the last; iteration 0 always).")
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="Seeds per arm (`-S seed=...`).")
     workers: int = Field(2, ge=1, description="Runs at a time; each gets cpu_count // workers torch threads.")
+    common: dict[str, Any] = Field(
+        {}, description="{dotted param key: value} overrides every arm shares (sizing: batch, eval), applied first.",
+    )
     arms: dict[str, dict[str, Any]] = Field(
         ..., min_length=1, description="Arm name -> {dotted param key: value} overrides of the params file.",
     )
@@ -39,8 +42,9 @@ class CompareSpec(BaseModel):
         return arms
 
     def overrides(self, arm: str) -> list[str]:
-        """The arm's overrides as `-S key=value` strings (values in YAML syntax)."""
-        return [f"{key}={_yaml_scalar(value)}" for key, value in self.arms[arm].items()]
+        """The shared and then the arm's overrides as `-S key=value` strings (values in YAML syntax)."""
+        items = [*self.common.items(), *self.arms[arm].items()]
+        return [f"{key}={_yaml_scalar(value)}" for key, value in items]
 
 
 def _yaml_scalar(value: Any) -> str:

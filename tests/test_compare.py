@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 from cli.main import app
 from schemas.compare import load_compare_spec
 from schemas.errors import SmdInputError
-from schemas.tables import write_table
+from schemas.tables import read_table, write_table
 from tests.helpers import empty_params, make_model_dir, random_prompts
 
-SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
+SETS = ["rollout.prompts_per_iteration=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
         "rollout.eviction.window=4", "learner.micro_batch_size=4", "evaluate.max_new_tokens=4",
         "evaluate.batch_size=4"]
 
@@ -22,6 +22,7 @@ iterations: 2
 eval_every: 2
 seeds: [0]
 workers: 1
+common: {rollout.group_size: 2}
 arms:
   dense: {rollout.eviction.policy: dense, learner.objective: dense}
   smd-l0.1@0.5: {learner.objective: smd, learner.kl_lambda: 0.1, rollout.eviction.keep_ratio: 0.5}
@@ -63,6 +64,8 @@ def test_compare_runs_every_arm_reports_and_resumes(tmp_path):
     summary = json.loads((out / "compare.json").read_text())
     assert [r["run"] for r in summary["runs"]] == ["dense-s0", "smd-l0.1@0.5-s0"]
     assert not any(r["skipped"] for r in summary["runs"]) and summary["wall_seconds"] > 0
+    table = read_table(out / "dense-s0" / "artifacts" / "iter-001" / "rollout" / "trajectories.arrow", "trajectories")
+    assert table.num_rows == 4  # 2 prompts x the spec's common group size 2
 
     # Rerun: every run is complete, nothing is recomputed.
     before = {f: f.stat().st_mtime_ns for f in out.rglob("iter-*/**/*") if f.is_file()}
