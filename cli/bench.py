@@ -53,15 +53,35 @@ def bench_compaction(
 def bench_rollout_cmd(
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "512,2048,4096",
     keep_ratio: Annotated[float, typer.Option(help="Eviction keep ratio.")] = 0.5,
-    batch_size: Annotated[int, typer.Option(help="Sequences decoded together.")] = 4,
-    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
-    repeats: Annotated[int, typer.Option(min=1, help="Runs per configuration; the fastest counts.")] = 3,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Sequences decoded together (default 4; with --processes the stage's 16).")] = None,
+    new_tokens: Annotated[int | None, typer.Option(
+        help="Tokens generated per sequence (default 128; with --processes 16).")] = None,
+    repeats: Annotated[int | None, typer.Option(
+        min=1, help="Runs per configuration, interleaved; the fastest counts (default 3; with --processes 2).")] = None,
+    processes: Annotated[str | None, typer.Option(
+        help="Comma-separated process counts, e.g. 1,2: the rollout stage data parallel (gloo), tokens/s side by "
+             "side instead of the policy comparison.")] = None,
+    threads: Annotated[int, typer.Option(min=1, help="With --processes: torch threads per process.")] = 1,
+    prompts: Annotated[int, typer.Option(min=1, help="With --processes: prompts sampled.")] = 32,
+    group_size: Annotated[int, typer.Option(min=2, help="With --processes: samples per prompt.")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="With --processes: tokens per random prompt.")] = 110,
+    policy: Annotated[Path | None, typer.Option(
+        help="With --processes: policy directory (default: the default tiny model, random init).")] = None,
 ) -> None:
-    """Dense vs every eviction policy: tokens/s, KV-cache bytes and peak memory relative to dense."""
+    """Dense vs every eviction policy: tokens/s, KV-cache bytes and peak memory relative to dense. With
+    --processes: the rollout stage on 1, 2, ... processes, tokens/s and wall time side by side."""
+    if processes:
+        from stages.rollout.scale_bench import bench_rollout_processes
+
+        guarded(lambda: bench_rollout_processes([int(x) for x in processes.split(",") if x], threads, policy,
+                                                prompts, group_size, prompt_tokens, new_tokens or 16,
+                                                batch_size or 16, repeats or 2))
+        return
     from stages.rollout.bench import bench_rollout
 
-    guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size, new_tokens,
-                                  repeats))
+    guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size or 4,
+                                  new_tokens or 128, repeats or 3))
 
 
 @bench_app.command("learner")
