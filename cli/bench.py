@@ -84,6 +84,26 @@ def bench_rollout_cmd(
                                   new_tokens or 128, repeats or 3))
 
 
+@bench_app.command("engine")
+def bench_engine_cmd(
+    policy: Annotated[Path | None, typer.Option(help="Policy directory (default: the default tiny model, random init).")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="Prompts table, e.g. artifacts/data/eval.arrow (default: random).")] = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Eval prompts.")] = 128,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens per random prompt.")] = 110,
+    rollout_prompts: Annotated[int, typer.Option(min=1, help="Prompts of the rollout batch.")] = 64,
+    group_size: Annotated[int, typer.Option(min=1, help="Samples per rollout prompt.")] = 8,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per sequence.")] = 16,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 16,
+    temperature: Annotated[float, typer.Option(help="Rollout sampling temperature.")] = 1.0,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement; the fastest counts.")] = 2,
+) -> None:
+    """smd's engine vs vLLM for dense generation: start-up, rollout and eval tokens/s side by side (needs vLLM)."""
+    from stages.rollout.engine_bench import bench_engines
+
+    guarded(lambda: bench_engines(policy, prompts, num_prompts, prompt_tokens, rollout_prompts, group_size, new_tokens,
+                                  batch_size, temperature, repeats))
+
+
 @bench_app.command("learner")
 def bench_learner_cmd(
     lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths T.")] = "512,2048,4096",

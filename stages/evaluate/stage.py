@@ -16,6 +16,7 @@ Writes, atomically as one directory (docs/design.md §5):
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -148,16 +149,11 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
     def my_part(tmp: Path) -> dict[str, Any]:
         """Decode this process's batches in both modes, score its reference-NLL batches."""
         part: dict[str, Any] = {"rows": {}, "seconds": {}, "nll": {}}
-        # vLLM decodes the dense mode only (it has no per-head eviction); built once, before the clock starts.
-        engine = None
-        if cfg.engine == "vllm":
-            longest = max(len(p["prompt_token_ids"]) for p in prompts)
-            engine = VllmEngine(policy_path, params.model.dtype, longest + cfg.max_new_tokens, cfg.batch_size,
-                                params.seed)
         progress = Progress(TextColumn("evaluate {task.fields[mode]}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), disable=not (show_progress and ctx.is_main), transient=False,
                             console=Console(stderr=True))
-        with progress:
+        # vLLM decodes the dense mode only (it has no per-head eviction); built once, before the clock starts.
+        with vllm_engine(params, policy_path, prompts) if cfg.engine == "vllm" else nullcontext() as engine, progress:
             bar = progress.add_task("evaluate", total=len(MODES) * sum(len(decode_batches[b]) for b in mine), mode="")
             for mode in MODES:
                 progress.update(bar, mode=mode)
@@ -221,6 +217,14 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
         Console(stderr=True).print(summary_table(metrics))
     return {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json",
             "details": out_dir / "details.json"}
+
+
+def vllm_engine(params: Params, policy_path: str | Path, prompts: list[dict[str, Any]]) -> VllmEngine:
+    """The stage's vLLM engine for the dense mode (`evaluate.engine: vllm`): room for the longest prompt and
+    its response, `evaluate.batch_size` sequences decoded together."""
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
+    return VllmEngine(policy_path, params.model.dtype, longest + params.evaluate.max_new_tokens,
+                      params.evaluate.batch_size, params.seed)
 
 
 def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,11 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     def my_part(tmp: Path) -> dict[str, Any]:
         """Sample this process's batches; write its trajectory rows and raw-mask shards under tmp/.parts."""
         mine = my_batches(len(batches), ctx)
-        engine = vllm_engine(params, policy_path, prompts, jobs) if cfg.engine == "vllm" else None
-        t0 = time.perf_counter()
-        samples = generate(model, tokenizer, prompts, batches, mine, cfg, params.seed, iteration,
-                           show_progress and ctx.is_main, engine)
-        seconds = time.perf_counter() - t0
+        with vllm_engine(params, policy_path, prompts, jobs) if cfg.engine == "vllm" else nullcontext() as engine:
+            t0 = time.perf_counter()
+            samples = generate(model, tokenizer, prompts, batches, mine, cfg, params.seed, iteration,
+                               show_progress and ctx.is_main, engine)
+            seconds = time.perf_counter() - t0
         rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row)
                 for mask_row, (i, g), res, text in samples]
         shards = shard_masks([(res.evict_at, res.prompt_len) for _, _, res, _ in samples], cfg.shard_rows,
