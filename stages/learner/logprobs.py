@@ -41,78 +41,100 @@ def lm_head_of(model) -> torch.nn.Linear:
     return head
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    # The head runs in the model's dtype, as the model's own forward does; the softmax in float32.
-    return F.linear(h, weight, bias).float() / temperature
+def _logits_into(out: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """out[:n] <- (h @ weight.T + bias) / temperature in float32; the head runs in the model's dtype, as the model's
+    own forward does. Writing into one buffer per call: a fresh [chunk, V] tensor per chunk costs page faults that
+    took longer than the arithmetic on CPU."""
+    n = h.shape[0]
+    z = out[:n]
+    if weight.dtype == torch.float32:
+        torch.mm(h, weight.t(), out=z)
+        if bias is not None:
+            z.add_(bias)
+    else:
+        z.copy_(F.linear(h, weight, bias))
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """sum(a * b, -1) for [n, V] rows without an [n, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _log_softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """In place: z <- log softmax(z) (rows); returns (z, log-sum-exp [n])."""
+    lse = torch.logsumexp(z, dim=-1)
+    return z.sub_(lse.unsqueeze(-1)), lse
 
 
 class _ChunkedScores(torch.autograd.Function):
     """(hidden [N, D], weight [V, D], bias [V] | None, targets [N], teacher [N, D] | None) ->
-    logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N]; gradients for hidden, weight, bias."""
+    logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N]; gradients for hidden, weight, bias.
+    Two [chunk, V] float32 buffers per call, reused by every chunk; everything else in place on them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher, temperature: float, chunk: int):
-        N = hidden.shape[0]
-        logp = hidden.new_zeros(N, dtype=torch.float32)
-        kl = torch.zeros_like(logp)
-        entropy = torch.zeros_like(logp)
-        teacher_logp = torch.zeros_like(logp)
-        lse = torch.zeros_like(logp)
+        N, V = hidden.shape[0], weight.shape[0]
+        logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
+        kl, entropy, teacher_logp, lse = (torch.zeros_like(logp) for _ in range(4))
+        rows = min(chunk, max(N, 1))
+        buf_q, buf_e = (torch.empty(rows, V, dtype=torch.float32, device=hidden.device) for _ in range(2))
+        buf_p = torch.empty_like(buf_q) if teacher is not None else None
         with torch.no_grad():
             for a in range(0, N, chunk):
                 b = min(a + chunk, N)
-                z = _chunk_logits(hidden[a:b], weight, bias, temperature)
-                lse[a:b] = torch.logsumexp(z, dim=-1)  # for the backward's recomputation of softmax(z)
-                log_q = torch.log_softmax(z, dim=-1)  # as objectives.token_logprobs computes it
-                del z
-                logp[a:b] = log_q.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
-                q = log_q.exp()
-                entropy[a:b] = -(q * log_q).sum(-1)
-                del q
+                tgt = targets[a:b].unsqueeze(-1)
+                log_q, lse[a:b] = _log_softmax_(_logits_into(buf_q, hidden[a:b], weight, bias, temperature))
+                logp[a:b] = log_q.gather(-1, tgt).squeeze(-1)
+                q = torch.exp(log_q, out=buf_e[: b - a])
+                entropy[a:b] = -_rowdot(q, log_q)
                 if teacher is not None:
-                    log_p = torch.log_softmax(_chunk_logits(teacher[a:b], weight, bias, temperature), dim=-1)
-                    teacher_logp[a:b] = log_p.gather(-1, targets[a:b].unsqueeze(-1)).squeeze(-1)
-                    p = log_p.exp()
-                    kl[a:b] = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
-                    del p, log_p
-                del log_q
+                    log_p, _ = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias, temperature))
+                    teacher_logp[a:b] = log_p.gather(-1, tgt).squeeze(-1)
+                    p = torch.exp(log_p, out=buf_e[: b - a])
+                    # sum_v p (log p - log q); log-probs of finite logits are finite, so p = 0 adds exactly 0
+                    kl[a:b] = _rowdot(p, log_p.sub_(log_q))
         ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy, teacher_logp)
         return logp, kl, entropy, teacher_logp
-
     @staticmethod
     def backward(ctx, g_logp, g_kl, _g_entropy, _g_teacher):
         hidden, weight, bias, targets, teacher, lse = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
-        N = hidden.shape[0]
+        N, V = hidden.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         g_logp = g_logp if g_logp is not None else torch.zeros(N, device=hidden.device)
         use_kl = teacher is not None and g_kl is not None
         d_hidden = torch.zeros_like(hidden) if need_h else None
         # float32 accumulation over chunks (a bf16 weight's gradient is cast back once at the end)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        d_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        for a in range(0, N, chunk):
-            b = min(a + chunk, N)
-            with torch.no_grad():
-                q = _chunk_logits(hidden[a:b], weight, bias, T).sub_(lse[a:b].unsqueeze(-1)).exp_()
-                # d logp_t / dz = onehot(o_t) - q ;  d KL(p || q) / dz = q - p   (z = logits / T)
-                coef = -g_logp[a:b] + (g_kl[a:b] if use_kl else 0.0)
+        d_bias = torch.zeros(V, dtype=torch.float32, device=weight.device) if need_b else None
+        rows = min(chunk, max(N, 1))
+        buf_q = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)
+        buf_p = torch.empty_like(buf_q) if use_kl else None
+        # z = logits / T:  d logp_t / dz = onehot(o_t) - q ;  d KL(p || q) / dz = q - p ;  d / dlogits = (...) / T
+        g_logp_t = g_logp.float() / T
+        g_kl_t = g_kl.float() / T if use_kl else None
+        with torch.no_grad():
+            for a in range(0, N, chunk):
+                b = min(a + chunk, N)
+                q = _logits_into(buf_q, hidden[a:b], weight, bias, T).sub_(lse[a:b].unsqueeze(-1)).exp_()
+                coef = -g_logp_t[a:b] + (g_kl_t[a:b] if use_kl else 0.0)
                 grad_z = q.mul_(coef.unsqueeze(-1))
-                grad_z.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp[a:b].unsqueeze(-1).float())
+                grad_z.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp_t[a:b].unsqueeze(-1))
                 if use_kl:
-                    p = torch.softmax(_chunk_logits(teacher[a:b], weight, bias, T), dim=-1)
-                    grad_z.sub_(p.mul_(g_kl[a:b].unsqueeze(-1)))
-                    del p
-                grad_z.div_(T)  # float32 [chunk, V]
+                    p, _ = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias, T))
+                    grad_z.sub_(p.exp_().mul_(g_kl_t[a:b].unsqueeze(-1)))
                 if need_h:
-                    d_hidden[a:b] = grad_z.to(weight.dtype) @ weight
+                    g = grad_z if weight.dtype == torch.float32 else grad_z.to(weight.dtype)
+                    d_hidden[a:b] = g @ weight
                 if need_w:
-                    d_weight.addmm_(grad_z.t(), hidden[a:b].float())
+                    d_weight.addmm_(grad_z.t(), hidden[a:b] if hidden.dtype == torch.float32 else hidden[a:b].float())
                 if need_b:
                     d_bias.add_(grad_z.sum(0))
-                del grad_z, q
         return (d_hidden, d_weight.to(weight.dtype) if need_w else None,
                 d_bias.to(bias.dtype) if need_b else None, None, None, None, None)
 
