@@ -106,19 +106,25 @@ def bench_engine_cmd(
 
 @bench_app.command("learner")
 def bench_learner_cmd(
-    lengths: Annotated[str, typer.Option(help="Comma-separated sequence lengths T.")] = "512,2048,4096",
-    modes: Annotated[str, typer.Option(help="Comma-separated learners: dense,smd_flex,smd_sdpa,smd_gather.")] = (
-        "dense,smd_flex,smd_sdpa,smd_gather"),
+    shape: Annotated[str, typer.Option(help="Model shape: tiny (the default model) or qwen3-vocab (Qwen3's "
+                                            "151,936-token vocabulary and 16 q / 8 kv heads on a small body).")] = "tiny",
+    lengths: Annotated[str | None, typer.Option(help="Comma-separated sequence lengths T (default: the shape's: "
+                                                     "tiny 512,2048,4096; qwen3-vocab 1024,4096).")] = None,
+    modes: Annotated[str | None, typer.Option(help="Comma-separated learners: dense,smd_flex,smd_sdpa,smd_gather,"
+                                                   "fwd_bwd,dense_full,smd_flex_full (default: the shape's).")] = None,
     rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (median per learner).")] = 3,
     block_size: Annotated[int, typer.Option(help="FlexAttention / gather block size.")] = 128,
+    chunk_tokens: Annotated[int | None, typer.Option(help="lm-head chunk (default learner.logit_chunk_tokens).")] = None,
     threads: Annotated[int, typer.Option(help="torch threads per configuration (0 = torch's default).")] = 1,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
     from stages.learner.bench import run_learner_bench
 
-    guarded(lambda: run_learner_bench([int(x) for x in lengths.split(",") if x],
-                                      [m.strip() for m in modes.split(",") if m.strip()], rounds=rounds,
-                                      block_size=block_size, threads=threads))
+    def split(text: str | None) -> list[str] | None:
+        return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+    guarded(lambda: run_learner_bench([int(x) for x in split(lengths) or []] or None, split(modes), rounds=rounds,
+                                      block_size=block_size, threads=threads, shape=shape, chunk_tokens=chunk_tokens))
 
 
 def register(app: typer.Typer) -> None:
