@@ -180,6 +180,13 @@ class LearnerParams(BaseModel):
         "memory ~ 3 x chunk x vocabulary x 4 bytes (256 x 151,936: ~0.45 GiB); the tiny model's batches fit one "
         "chunk. Larger = fewer, larger lm-head matmuls.",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation checkpointing of every decoder layer (transformers' activation_checkpointing_enable, "
+        "non-reentrant torch.utils.checkpoint): layer activations are recomputed in backward instead of kept, "
+        "through the shadow attention too (same gradients). smd's teacher then runs as a separate dense pass "
+        "instead of sharing the prefill rows (a checkpointed layer cannot write the shared KV cache).",
+    )
     parity_tol: float = Field(
         1e-4,
         gt=0.0,

@@ -12,6 +12,9 @@ Backends:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -37,6 +40,11 @@ def shadow_mask(evict_at_layer: torch.Tensor) -> torch.Tensor:
 
 
 def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    if "smd_evict_at" not in kwargs:  # a dense forward (the teacher, the dense learners): transformers' SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
     backend = kwargs.get("smd_backend", "sdpa")
     layer = module.layer_idx
@@ -69,6 +77,42 @@ def response_index(prompt_lens: list[int], resp_lens: list[int], offset: int = 0
 def decoder_of(model):
     """The model's decoder stack without its lm head (Qwen3ForCausalLM.model, ...): final hidden states."""
     return getattr(model, model.base_model_prefix)
+
+
+def enable_layer_checkpointing(model) -> None:
+    """Activation (gradient) checkpointing of every decoder layer, the transformers way
+    (`activation_checkpointing_enable`, non-reentrant `torch.utils.checkpoint`): a layer keeps only its input in the
+    forward and recomputes its activations in the backward, with the same keyword arguments (the mask included). transformers checkpoints a layer only while it is in
+    training mode; the learner runs the model in eval mode (no dropout), so the forward with gradient runs inside
+    `checkpointed_layers`."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # The backward recomputes a layer after the forward's `attention_implementation` context has exited: the
+    # attention the model dispatches to must not depend on that context. `smd_shadow` replays the mask when the
+    # forward carries `smd_evict_at` and is transformers' SDPA otherwise, so it stays selected for good.
+    model.config._attn_implementation = SHADOW_ATTENTION
+
+
+def layer_checkpointing_enabled(model) -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return any(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in model.modules())
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model) -> Iterator[None]:
+    """Mark the decoder layers (only them, not their submodules) as training, so that transformers checkpoints them;
+    attention and MLP stay in eval mode (no dropout). Restores the flags on exit."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    before = [m.training for m in layers]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m.training = flag
 
 
 def response_hidden(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
@@ -156,6 +200,7 @@ def response_hidden_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     Nothing is evicted before the first eviction position s (prefill attends densely), so rows [0, s) are the
     same for both policies: they run once (plain causal attention, with gradient) into a KV cache; then the
     rows [s, T) run twice on top of it — densely under no_grad (teacher), then shadow-masked with gradient.
+    With layer checkpointing on (`enable_layer_checkpointing`) the two run as separate full forwards.
     Returns (masked hidden [B, R, D], dense hidden [B, R, D] detached, targets [B, R], valid [B, R]).
     """
     from transformers import DynamicCache
@@ -163,6 +208,10 @@ def response_hidden_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     B, T = input_ids.shape
     align = block_size if backend == "flex" else 1
     s = shared_prefix_length(evict_at, prompt_lens, align)
+    if layer_checkpointing_enabled(model):
+        # A checkpointed layer cannot write a KV cache (its recomputation would write it again): the policy and
+        # the teacher run as two full forwards, which give the same values (tests/test_shadow_attention_flex.py).
+        s = 0
     if s == 0:
         with torch.no_grad():
             dense, _, _ = response_hidden(model, input_ids, None, prompt_lens, resp_lens)

@@ -30,6 +30,7 @@ micro-batches run zero-weight ones so that all take part in every gradient reduc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -71,7 +72,12 @@ from stages.learner.objectives import (
     sparse_rl_weight_sums,
     zero_advantage_group_fraction,
 )
-from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
+from stages.learner.shadow_attention import (
+    checkpointed_layers,
+    enable_layer_checkpointing,
+    response_hidden,
+    response_hidden_with_teacher,
+)
 from stages.model import check_positions, load_policy, load_tokenizer
 
 MASKED_OBJECTIVES = ("smd", "shadow")
@@ -400,6 +406,8 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     random.seed(seed * 1_000_003 + iteration)  # every RNG the trainer state saves: reruns are byte-identical
     model.to(ctx.device)
     model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
+    if cfg.gradient_checkpointing:
+        enable_layer_checkpointing(model)
     steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
     engine = make_engine(model, cfg, ctx, grad_accum, resume_from=policy_path if cfg.resume_optimizer else None)
     resumed = load_trainer_state(engine, policy_path, cfg, ctx) if cfg.resume_optimizer else None
@@ -456,13 +464,14 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     # (with the teacher, block masks are built for the shared-prefix split inside the forward)
     mb = build_micro_batch(run.data, rows, masked, "sdpa" if run.teacher else backend, cfg.flex_block_size,
                            module.config.num_attention_heads, device=run.ctx.device)
-    if run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
-        hidden, teacher_hidden, targets, valid = response_hidden_with_teacher(
-            module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
-        scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
-                                      chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
-    else:
-        scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
+    with checkpointed_layers(module) if cfg.gradient_checkpointing else contextlib.nullcontext():
+        if run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
+            hidden, teacher_hidden, targets, valid = response_hidden_with_teacher(
+                module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
+            scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
+                                          chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
+        else:
+            scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
     logp, dense_logp = scores["logp"], scores.get("teacher_logp")
     old_t = _rows_tensor(rows, old, mb) if cfg.objective in RECOMPUTED_OLD else None
     ref_t = _rows_tensor(rows, ref, mb) if ref is not None else None
