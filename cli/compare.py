@@ -71,7 +71,7 @@ def compare(spec_path: Path, out: Path, params_path: Path, overrides: list[str],
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     starts = evaluate_starts(arm_params, warmstart, data, out / "_start")
-    jobs = [(arm, seed) for arm in names for seed in spec.seeds]
+    jobs = [(arm, seed) for seed in spec.seeds for arm in names]  # every arm once first: a whole sweep per seed
     n_workers = workers or spec.workers
     threads = max(1, (os.cpu_count() or 1) // n_workers)
     cmd_base = [params_path, overrides, warmstart, data, spec, threads]
