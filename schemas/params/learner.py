@@ -177,7 +177,7 @@ class LearnerParams(BaseModel):
         description="Response tokens whose logits exist at once: log-probs, entropy and the dense-teacher KL are "
         "computed from the final hidden states through the lm head this many tokens at a time, and the backward "
         "recomputes each chunk (stages/learner/logprobs.py), so the learner never holds [B, T, V] logits. Logit "
-        "memory ~ 3 x chunk x vocabulary x 4 bytes (256 x 151,936: ~0.45 GiB); the tiny model's batches fit one "
+        "memory ~ 2 x chunk x vocabulary x 4 bytes (256 x 151,936: ~0.3 GiB); the tiny model's batches fit one "
         "chunk. Larger = fewer, larger lm-head matmuls.",
     )
     gradient_checkpointing: bool = Field(

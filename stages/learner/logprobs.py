@@ -80,22 +80,21 @@ class _ChunkedScores(torch.autograd.Function):
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         kl, entropy, teacher_logp, lse = (torch.zeros_like(logp) for _ in range(4))
         rows = min(chunk, max(N, 1))
-        buf_q, buf_e = (torch.empty(rows, V, dtype=torch.float32, device=hidden.device) for _ in range(2))
-        buf_p = torch.empty_like(buf_q) if teacher is not None else None
+        buf_q, buf_p = (torch.empty(rows, V, dtype=torch.float32, device=hidden.device) for _ in range(2))
         with torch.no_grad():
             for a in range(0, N, chunk):
                 b = min(a + chunk, N)
                 tgt = targets[a:b].unsqueeze(-1)
                 log_q, lse[a:b] = _log_softmax_(_logits_into(buf_q, hidden[a:b], weight, bias, temperature))
                 logp[a:b] = log_q.gather(-1, tgt).squeeze(-1)
-                q = torch.exp(log_q, out=buf_e[: b - a])
+                q = torch.exp(log_q, out=buf_p[: b - a])
                 entropy[a:b] = -_rowdot(q, log_q)
-                if teacher is not None:
+                if teacher is not None:  # two buffers in all: log q is overwritten by log p - log q
                     log_p, _ = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias, temperature))
                     teacher_logp[a:b] = log_p.gather(-1, tgt).squeeze(-1)
-                    p = torch.exp(log_p, out=buf_e[: b - a])
+                    log_ratio = log_q.neg_().add_(log_p)
                     # sum_v p (log p - log q); log-probs of finite logits are finite, so p = 0 adds exactly 0
-                    kl[a:b] = _rowdot(p, log_p.sub_(log_q))
+                    kl[a:b] = _rowdot(log_p.exp_(), log_ratio)
         ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy, teacher_logp)
@@ -112,6 +111,10 @@ class _ChunkedScores(torch.autograd.Function):
         # float32 accumulation over chunks (a bf16 weight's gradient is cast back once at the end)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         d_bias = torch.zeros(V, dtype=torch.float32, device=weight.device) if need_b else None
+        # With the teacher the backward needs q and p at once: half-size chunks keep the two buffers at the size of
+        # the dense learner's one (the peak is the same as without the teacher)
+        if use_kl:
+            chunk = max(1, chunk // 2)
         rows = min(chunk, max(N, 1))
         buf_q = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)
         buf_p = torch.empty_like(buf_q) if use_kl else None
