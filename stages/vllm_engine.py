@@ -125,6 +125,7 @@ class VllmEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("DO_NOT_TRACK", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the stage's own output
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
@@ -140,7 +141,6 @@ class VllmEngine:
                 max_num_seqs=max_num_seqs,
                 kv_cache_memory_bytes=kv_cache_bytes(config, dtype_bytes, max_model_len, max_num_seqs),
                 logprobs_mode="processed_logprobs",
-                skip_tokenizer_init=True,  # token ids in and out; smd's tokenizer decodes
             )
         finally:
             for key in set(os.environ) - set(environ):

@@ -59,12 +59,13 @@ def length_batches(prompts: list[dict[str, Any]], batch_size: int) -> list[list[
 def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: EvictionParams, params: Params,
                  iteration: int, mode: str, advance, engine: VllmEngine | None = None) -> dict[int, dict[str, Any]]:
     """Greedy responses of one mode for the prompts of `batches`: {prompt index: prediction row}; on vLLM
-    when `engine` is given (the dense mode with `evaluate.engine: vllm`), else on smd's engine."""
+    when `engine` is given (the dense mode with `evaluate.engine: vllm`: every prompt in one call, vLLM keeps
+    `batch_size` decoding and refills the batch as they finish), else on smd's engine batch by batch."""
     cfg = params.evaluate
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows: dict[int, dict[str, Any]] = {}
-    for batch in batches:
+    for batch in (batches if engine is None else [[i for b in batches for i in b]]):
         ids = [list(prompts[i]["prompt_token_ids"]) for i in batch]
         if engine is None:
             results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0)

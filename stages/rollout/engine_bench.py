@@ -38,6 +38,7 @@ def _fastest(run: Callable[[], list[SampleResult]], repeats: int) -> tuple[float
 
 
 def _batched(prompts: list[list[int]], batch_size: int, fn) -> list[SampleResult]:
+    """smd's engine, batch by batch (as the stages run it): fn(first row, batch)."""
     out: list[SampleResult] = []
     for s in range(0, len(prompts), batch_size):
         out.extend(fn(s, prompts[s: s + batch_size]))
@@ -70,29 +71,30 @@ def bench_engines(policy: str | Path | None = None, prompts_path: str | Path | N
         model = load_policy(policy, dtype)
         hf_startup = time.perf_counter() - t0
 
-        def hf_rollout(s, batch):
-            gen = torch.Generator().manual_seed(s)
-            return generate_batch(model, batch, dense, new_tokens, eos, pad, temperature, generator=gen)[0]
+        def hf_rollout(rows):
+            return _batched(rows, batch_size, lambda s, batch: generate_batch(
+                model, batch, dense, new_tokens, eos, pad, temperature, generator=torch.Generator().manual_seed(s))[0])
 
-        def hf_eval(s, batch):
-            return generate_batch(model, batch, dense, new_tokens, eos, pad, temperature=0.0)[0]
+        def hf_eval(rows):
+            return _batched(rows, batch_size, lambda s, batch: generate_batch(
+                model, batch, dense, new_tokens, eos, pad, temperature=0.0)[0])
 
         engines = {"hf": (hf_startup, hf_rollout, hf_eval)}
         t0 = time.perf_counter()
         engine = VllmEngine(policy, dtype, max_len, batch_size)
         vllm_startup = time.perf_counter() - t0
         with engine:
-            def vllm_rollout(s, batch):
-                return engine.generate(batch, new_tokens, eos, temperature,
-                                       [request_seed(0, 0, s + j) for j in range(len(batch))])
+            # vLLM gets every row in one call, as the stages give them (it keeps batch_size decoding)
+            def vllm_rollout(rows):
+                return engine.generate(rows, new_tokens, eos, temperature, [request_seed(0, 0, r) for r in range(len(rows))])
 
-            def vllm_eval(s, batch):
-                return engine.generate(batch, new_tokens, eos, 0.0)
+            def vllm_eval(rows):
+                return engine.generate(rows, new_tokens, eos, 0.0)
 
             engines["vllm"] = (vllm_startup, vllm_rollout, vllm_eval)
             for name, (startup, rollout_fn, eval_fn) in engines.items():
-                r_s, r_out = _fastest(lambda fn=rollout_fn: _batched(jobs, batch_size, fn), repeats)
-                e_s, e_out = _fastest(lambda fn=eval_fn: _batched(evals, batch_size, fn), repeats)
+                r_s, r_out = _fastest(lambda fn=rollout_fn: fn(jobs), repeats)
+                e_s, e_out = _fastest(lambda fn=eval_fn: fn(evals), repeats)
                 greedy[name] = e_out
                 results[name] = {
                     "startup_s": startup,

@@ -161,7 +161,9 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
              engine: VllmEngine | None = None) -> list[tuple[int, tuple[int, int], SampleResult, str]]:
     """Sample the batches `mine` (indices into `batches`) with the evicting cache, each with its own
     generator seeded by `batch_seed(seed, iteration, b)`: (mask_row = job index, job, result, decoded text).
-    With a vLLM `engine` (dense only) each row samples with its own seed `request_seed(seed, iteration, row)`."""
+    A vLLM `engine` (dense only) gets every row in one call and keeps `batch_size` of them decoding, refilling
+    the batch as rows finish (continuous batching); each row samples with its own seed
+    `request_seed(seed, iteration, row)`."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     samples = []
@@ -170,23 +172,23 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
                         TextColumn("{task.fields[rate]}"), disable=not show_progress, transient=False)
     with progress:
         bar = progress.add_task("rollout", total=sum(len(batches[b]) for b in mine), rate="")
-        for b in mine:
-            batch = batches[b]
-            first = b * cfg.batch_size  # job index of the batch's first row (only the last batch is short)
-            ids = [list(prompts[i]["prompt_token_ids"]) for i, _ in batch]
+        for chunk in ([[b] for b in mine] if engine is None else [mine]):
+            # (job index = mask_row, job); batch b's first row is job b * batch_size (only the last is short)
+            rows = [(b * cfg.batch_size + j, job) for b in chunk for j, job in enumerate(batches[b])]
+            ids = [list(prompts[i]["prompt_token_ids"]) for _, (i, _) in rows]
             if engine is None:
-                generator = torch.Generator().manual_seed(batch_seed(seed, iteration, b))
+                generator = torch.Generator().manual_seed(batch_seed(seed, iteration, chunk[0]))
                 results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
                                             cfg.top_k, cfg.top_p, generator)
             else:
                 results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,
-                                          [request_seed(seed, iteration, first + j) for j in range(len(batch))])
-            for j, (job, res) in enumerate(zip(batch, results, strict=True)):
+                                          [request_seed(seed, iteration, row) for row, _ in rows])
+            for (row, job), res in zip(rows, results, strict=True):
                 text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
-                samples.append((first + j, job, res, text))
+                samples.append((row, job, res, text))
                 gen_tokens += len(res.response_ids)
             elapsed = time.perf_counter() - t0
-            progress.update(bar, advance=len(batch), rate=f"{gen_tokens / max(elapsed, 1e-9):.0f} tok/s")
+            progress.update(bar, advance=len(rows), rate=f"{gen_tokens / max(elapsed, 1e-9):.0f} tok/s")
     return samples
 
 
