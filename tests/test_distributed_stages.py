@@ -35,31 +35,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, stage: str, args: tuple, report: Path, fail_rank: int) -> None:
+def _worker(rank: int, world: int, port: int, scenarios: list[tuple], report: Path) -> None:
+    """One pair of processes runs every scenario in turn (a process start costs more than a tiny stage)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    if rank == fail_rank:
-        import stages.rollout.stage as rollout_stage
+    import stages.rollout.stage as rollout_stage
 
-        def broken(*a, **k):
-            raise RuntimeError("injected failure")
+    for name, stage, args, fail_rank in scenarios:
+        if rank == fail_rank:
+            def broken(*a, **k):
+                raise RuntimeError("injected failure")
 
-        rollout_stage.generate_batch = broken  # this process only: its sampling raises mid-stage
-    fn = {"rollout": rollout, "evaluate": evaluate}[stage]
-    try:
-        fn(make_params(**OVER), 1, *args, show_progress=False)
-        outcome = {"ok": True}
-    except SmdRankError as exc:
-        outcome = {"ok": False, "message": str(exc), "exit_code": exc.exit_code}
-    (report / f"rank{rank}.json").write_text(json.dumps(outcome))
+            rollout_stage.generate_batch = broken  # this process only: its sampling raises mid-stage
+        fn = {"rollout": rollout, "evaluate": evaluate}[stage]
+        try:
+            fn(make_params(**OVER), 1, *args, show_progress=False)
+            outcome = {"ok": True}
+        except SmdRankError as exc:
+            outcome = {"ok": False, "message": str(exc), "exit_code": exc.exit_code}
+        (report / f"{name}-rank{rank}.json").write_text(json.dumps(outcome))
     torch.distributed.destroy_process_group()
 
 
-def run_two(stage: str, args: tuple, report: Path, fail_rank: int = -1) -> list[dict]:
-    report.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(2, _free_port(), stage, args, report, fail_rank), nprocs=2, join=True)
-    return [json.loads((report / f"rank{r}.json").read_text()) for r in range(2)]
+def outcomes(report: Path, name: str) -> list[dict]:
+    return [json.loads((report / f"{name}-rank{r}.json").read_text()) for r in range(2)]
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -75,13 +75,25 @@ def inputs(tmp_path_factory):
     return root, model_dir, write_table(rows, root / "prompts.arrow", "prompts")
 
 
+@pytest.fixture(scope="module")
+def two_processes(inputs):
+    """Rollout, evaluate, and a rollout whose rank 1 raises, on 2 processes (~35 s for the three)."""
+    root, model_dir, prompts = inputs
+    report = root / "report"
+    report.mkdir()
+    scenarios = [("rollout", "rollout", (model_dir, prompts, root / "two"), -1),
+                 ("evaluate", "evaluate", (model_dir, prompts, root / "eval-two"), -1),
+                 ("failed", "rollout", (model_dir, prompts, root / "failed" / "rollout"), 1)]
+    mp.spawn(_worker, args=(2, _free_port(), scenarios, report), nprocs=2, join=True)
+    return report
+
+
 @pytest.mark.slow
-def test_rollout_two_processes_equal_one(inputs):
-    """~25 s: byte-identical trajectory table and compacted masks, and the learner's parity gate passes."""
+def test_rollout_two_processes_equal_one(inputs, two_processes):
+    """~15 s more: byte-identical trajectory table and compacted masks, and the learner's parity gate passes."""
     root, model_dir, prompts = inputs
     one = rollout(make_params(**OVER), 1, model_dir, prompts, root / "one", show_progress=False)
-    outcomes = run_two("rollout", (model_dir, prompts, root / "two"), root / "report-rollout")
-    assert outcomes == [{"ok": True}, {"ok": True}]
+    assert outcomes(two_processes, "rollout") == [{"ok": True}, {"ok": True}]
     two = root / "two"
     assert (two / "trajectories.arrow").read_bytes() == one["trajectories"].read_bytes()
     _, shards = read_raw_masks(two / "masks.raw.zarr")
@@ -100,11 +112,11 @@ def test_rollout_two_processes_equal_one(inputs):
 
 
 @pytest.mark.slow
-def test_evaluate_two_processes_equal_one(inputs):
-    """~20 s: the same predictions table and figures (only wall times differ)."""
+def test_evaluate_two_processes_equal_one(inputs, two_processes):
+    """~5 s more: the same predictions table and figures (only wall times differ)."""
     root, model_dir, prompts = inputs
     one = evaluate(make_params(**OVER), 1, model_dir, prompts, root / "eval-one", show_progress=False)
-    assert run_two("evaluate", (model_dir, prompts, root / "eval-two"), root / "report-eval") == [{"ok": True}] * 2
+    assert outcomes(two_processes, "evaluate") == [{"ok": True}] * 2
     assert (root / "eval-two" / "predictions.arrow").read_bytes() == one["predictions"].read_bytes()
     a, b = (json.loads((d / "details.json").read_text()) for d in (root / "eval-one", root / "eval-two"))
     timing = ("seconds", "tokens_per_s", "processes")
@@ -114,12 +126,11 @@ def test_evaluate_two_processes_equal_one(inputs):
 
 
 @pytest.mark.slow
-def test_failing_process_fails_every_process_and_writes_nothing(inputs):
-    """~10 s: rank 1's sampling raises; both processes raise the same one-line error, no output, no temporary."""
-    root, model_dir, prompts = inputs
+def test_failing_process_fails_every_process_and_writes_nothing(inputs, two_processes):
+    """Rank 1's sampling raises; both processes raise the same one-line error, no output, no temporary."""
+    root, _, _ = inputs
     out = root / "failed" / "rollout"
-    outcomes = run_two("rollout", (model_dir, prompts, out), root / "report-fail", fail_rank=1)
-    for outcome in outcomes:
+    for outcome in outcomes(two_processes, "failed"):
         assert not outcome["ok"] and outcome["exit_code"] == 1
         assert outcome["message"].startswith("rank 1 of 2 failed: RuntimeError: injected failure")
         assert "\n" not in outcome["message"]
