@@ -59,7 +59,8 @@ def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtyp
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": bool(cuda and dtype == torch.bfloat16)},
+        # bf16 on CPU too (DeepSpeed's CPU accelerator supports it): fp32 master weights and optimizer state
+        "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": bool(cuda and dtype == torch.float16)},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -67,7 +68,8 @@ def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtyp
 
 
 def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int, resume_from: Path | None = None):
-    """deepspeed.initialize with a torch AdamW (fp32 on CPU; bf16/fp16 only on CUDA with such a model).
+    """deepspeed.initialize with a torch AdamW (DeepSpeed's bf16 mode for a bf16 model, on CPU and CUDA; fp16 only on
+    CUDA).
     `resume_from`: the policy whose trainer state will be loaded (the universal-checkpoint switch is part of
     the engine's config)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
