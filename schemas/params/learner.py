@@ -25,6 +25,15 @@ TIS_LEVELS: tuple[str, ...] = get_args(TisLevel)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 
+# The parity gate's default per model dtype (learner.parity_tol null). Measured max |learner - rollout log-prob| of
+# the shadow-masked learner over real batches (the warm-started default policy, 128 trajectories of the default
+# experiment's prompts per eviction policy; docs/design.md section 3): float32 <= 5.7e-6 (gate 1e-4, as before);
+# bfloat16 0.060 (recent) to 0.118 (h2o) (gate 0.5: 4x the largest, while the dense learner's gap on the same
+# batches, i.e. a mask that does not replay the rollout, is 7 to 13). float16 is not measured (CPU): it has 3 more
+# mantissa bits than bfloat16, so bfloat16's gate is a loose bound for it.
+PARITY_TOL_BY_DTYPE: dict[str, float] = {"float32": 1e-4, "bfloat16": 0.5, "float16": 0.5}
+
+
 class LearnerParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     objective: Objective = Field(
@@ -187,12 +196,13 @@ class LearnerParams(BaseModel):
         "through the shadow attention too (same gradients). smd's teacher then runs as a separate dense pass "
         "instead of sharing the prefill rows (a checkpointed layer cannot write the shared KV cache).",
     )
-    parity_tol: float = Field(
-        1e-4,
+    parity_tol: float | None = Field(
+        None,
         gt=0.0,
         description="Parity gate: before the first optimizer step, smd/shadow refuse to train when "
         "max |learner log-prob - rollout log-prob| over the batch exceeds this (the shadow mask does not "
-        "reproduce the rollout: off-policy).",
+        "reproduce the rollout: off-policy). null = the default of model.dtype (PARITY_TOL_BY_DTYPE: float32 "
+        "1e-4, bfloat16 and float16 0.5), set from measured gaps (docs/design.md, section 3).",
     )
     resume_optimizer: bool = Field(
         True,
@@ -207,3 +217,7 @@ class LearnerParams(BaseModel):
         None, ge=0, description="Learner seed (mini-batch shuffling, RNG); None = derive from the global seed."
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0 = leave torch's default).")
+
+    def parity_tol_for(self, dtype: str) -> float:
+        """The parity gate for a model of `dtype` (model.dtype): `parity_tol`, or the dtype's default."""
+        return self.parity_tol if self.parity_tol is not None else PARITY_TOL_BY_DTYPE[dtype]

@@ -7,7 +7,7 @@ Flow of `learn(...)`, one named step each:
      starting policy when present. Bad input: SmdInputError, nothing written.
   2. `parity_pass` (no gradient, before any optimizer step): learner log-probs of every response token --
      shadow-masked for smd/shadow, dense for the dense learners -- against the rollout's. smd/shadow refuse
-     to train when max |delta| > learner.parity_tol (the mask does not reproduce the sampler: training would
+     to train when max |delta| > learner.parity_tol (default per model.dtype) (the mask does not reproduce the sampler: training would
      be silently off-policy). The same numbers are the proximal `old_logp` of naive/tis/sparse_rl (the
      dense learner's log-probs before the first update: naive's ratio is exactly 1 at the first step), and
      they fix sparse_rl's rejection and its batch-normalisation constant per mini-batch.
@@ -443,9 +443,11 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     gap = parity["mismatch/logprob_abs_diff_max"]
     run.say(f"parity: mismatch/logprob_abs_diff_max={gap:.3g} ({'masked' if run.masked else 'dense'} learner, "
             f"{len(data)} trajectories, {parity['learner/parity_seconds']:.1f}s)")
-    if run.masked and not gap <= cfg.parity_tol:
+    tol = cfg.parity_tol_for(run.params.model.dtype)
+    parity["learner/parity_tol"] = tol
+    if run.masked and not gap <= tol:
         raise SmdInputError(
-            f"parity gate: mismatch/logprob_abs_diff_max={gap:.3g} > tol {cfg.parity_tol:g} between the shadow-masked "
+            f"parity gate: mismatch/logprob_abs_diff_max={gap:.3g} > tol {tol:g} ({run.params.model.dtype}) between the shadow-masked "
             f"learner ({run.policy_path}) and the rollout ({data.trajectories_path}, masks {data.masks_path}); "
             "refusing to train off-policy"
         )
