@@ -97,6 +97,8 @@ def read_table(path: str | Path, kind: str) -> pa.Table:
         raise SmdInputError(f"{path}: missing {kind} table")
     try:
         table = feather.read_table(str(path), memory_map=True)
+        # IPC reading trusts the file's offsets and lengths; a damaged file must fail here, not segfault later
+        table.validate(full=True)
     except Exception as exc:  # noqa: BLE001
         raise SmdInputError(f"{path}: not a readable Arrow file ({exc.__class__.__name__})") from exc
     validate_table(table, str(path), kind)
@@ -113,10 +115,18 @@ def validate_table(table: pa.Table, source: str, kind: str) -> None:
     version = meta.get(b"schema_version")
     if version is None:
         raise SmdInputError(f"{source}: schema_version: missing from metadata")
-    if version.decode() != SCHEMA_VERSION:
-        raise SmdInputError(f"{source}: schema_version: {version.decode()} but this smd reads {SCHEMA_VERSION}")
-    if meta.get(b"kind", kind.encode()).decode() != kind:
-        raise SmdInputError(f"{source}: kind: is {meta[b'kind'].decode()}, expected {kind}")
+    if version != SCHEMA_VERSION.encode():
+        found = version.decode(errors="replace")
+        raise SmdInputError(f"{source}: schema_version: {found} but this smd reads {SCHEMA_VERSION}")
+    try:
+        found = meta.get(b"kind", kind.encode()).decode()
+        config = json.loads(meta.get(b"config", b"{}"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SmdInputError(f"{source}: metadata: unreadable kind or config ({exc.__class__.__name__})") from exc
+    if found != kind:
+        raise SmdInputError(f"{source}: kind: is {found}, expected {kind}")
+    if not isinstance(config, dict):
+        raise SmdInputError(f"{source}: config: expected a JSON object in the metadata")
     for field in schema:
         if field.name not in table.column_names:
             raise SmdInputError(f"{source}: {field.name}: missing column")

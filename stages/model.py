@@ -128,7 +128,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     path = Path(path)
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
         raise SmdInputError(f"{path}: no tokenizer found (tokenizer.json); run `smdctl init-model` or fix model.init_path")
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - any loader failure (JSON, tokenizers, missing files) is a bad artifact
+        raise SmdInputError(f"{path}: cannot load the tokenizer ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -145,6 +148,9 @@ def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: s
         )
     except Exception as exc:  # noqa: BLE001 - any loader failure is a bad artifact
         raise SmdInputError(f"{path}: cannot load policy checkpoint ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
+    for name, param in model.named_parameters():  # a damaged weight file can hold NaN/inf: sampling would crash
+        if not torch.isfinite(param).all():
+            raise SmdInputError(f"{path}: {name}: non-finite weights (damaged checkpoint?)")
     model.eval()
     return model
 

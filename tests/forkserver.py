@@ -115,17 +115,24 @@ def main() -> None:
             print(json.dumps(_serve(json.loads(line))), file=answers, flush=True)
 
 
+def private_extensions_dir(path: str | None = None) -> str:
+    """A JIT-op build directory (DeepSpeed's CPU ops) of this interpreter and of the `ninja` on `path` (default:
+    PATH): a directory shared with another installation or another ninja (ninja 1.13 hashes commands differently
+    from its predecessors) is rebuilt, for minutes, at every switch."""
+    import hashlib
+    import shutil
+
+    key = hashlib.sha1(f"{sys.prefix}:{shutil.which('ninja', path=path)}".encode()).hexdigest()[:8]
+    return str(Path.home() / ".cache" / "torch_extensions" / f"smd-{key}")
+
+
 class ForkServer:
     """The test side: start the server, run stage commands through it, stop it."""
 
     def __init__(self, env: dict[str, str]):
-        import hashlib
         import subprocess
 
-        # JIT-built ops (DeepSpeed's) in a directory of this interpreter's own: a build directory shared with
-        # other Python installations is rebuilt whenever their flags differ.
-        key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
-        env = {"TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "torch_extensions" / f"smd-{key}"), **env}
+        env = {"TORCH_EXTENSIONS_DIR": private_extensions_dir(env.get("PATH")), **env}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=Path(__file__).resolve().parents[1])

@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from schemas.errors import SmdInputError
 from schemas.params.learner import LearnerParams
 from stages.distributed import DistContext, agree, init_distributed  # noqa: F401 - the learner's process group
 
@@ -123,13 +125,22 @@ def save_trainer_state(engine, directory: Path, meta: dict[str, Any], ctx: DistC
 
 
 def _saved_meta(policy_path: Path) -> dict[str, Any] | None:
-    meta_path = Path(policy_path) / TRAINER_STATE / STATE_JSON
-    if not meta_path.exists():
+    """trainer_state.json of the policy's trainer state; None when the policy has none (a fresh optimizer). A
+    trainer_state/ that is damaged (its record missing, not JSON, or without the integers it must hold) is bad
+    input: one line, never a silently fresh optimizer."""
+    directory = Path(policy_path) / TRAINER_STATE
+    if not directory.exists() and not directory.is_symlink():
         return None
+    meta_path = directory / STATE_JSON
     try:
-        return json.loads(meta_path.read_text())
-    except json.JSONDecodeError:
-        return {}
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:  # missing, a directory, not text, not JSON
+        raise SmdInputError(f"{meta_path}: unreadable trainer state ({exc.__class__.__name__}); remove {directory} "
+                            "to start with a fresh optimizer") from exc
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("world_size", "zero_stage")):
+        raise SmdInputError(f"{meta_path}: world_size, zero_stage: expected integers; remove {directory} to start "
+                            "with a fresh optimizer")
+    return meta
 
 
 def resume_mode(policy_path: Path, cfg: LearnerParams, ctx: DistContext) -> str | None:
@@ -199,15 +210,19 @@ def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistC
             print(f"warning: {directory}: saved with {got}, running with {want}; starting a fresh optimizer",
                   file=sys.stderr)
         return None
-    if mode == UNIVERSAL:
-        load_path, client = _load_universal(engine, directory, ctx)
-    else:
-        load_path, client = engine.load_checkpoint(str(directory), tag=STATE_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=False, load_module_strict=True)
-    if load_path is None:
-        if ctx.is_main:
-            print(f"warning: {directory}: unreadable DeepSpeed checkpoint; starting a fresh optimizer", file=sys.stderr)
-        return None
+    try:
+        if mode == UNIVERSAL:
+            load_path, client = _load_universal(engine, directory, ctx)
+        else:
+            load_path, client = engine.load_checkpoint(str(directory), tag=STATE_TAG, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=False, load_module_strict=True)
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            pickle.UnpicklingError) as exc:  # torch.load of a cut or damaged file, a state of another model
+        raise SmdInputError(f"{directory}: unreadable DeepSpeed checkpoint ({exc.__class__.__name__}); remove it to "
+                            "start with a fresh optimizer") from exc
+    if load_path is None:  # DeepSpeed found no checkpoint under its tag (it logs why)
+        raise SmdInputError(f"{directory}: no DeepSpeed checkpoint under tag {STATE_TAG!r}; remove it to start with a "
+                            "fresh optimizer")
     set_hyperparameters(engine, cfg)
     if client and "rng" in client:
         set_rng_state(client["rng"])

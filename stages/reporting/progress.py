@@ -31,9 +31,14 @@ def _read(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise SmdInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, unreadable, or not text
+        raise SmdInputError(f"{path}: unreadable ({exc.__class__.__name__})") from exc
+    if not isinstance(data, dict):
+        raise SmdInputError(f"{path}: expected a JSON object of metrics, found a {type(data).__name__}")
+    return data
 
 
 def iteration_row(artifacts: Path, n: int) -> dict:
