@@ -98,7 +98,8 @@ def test_cleanup_leaves_a_live_writer_and_everything_else_alone(tmp_path):
 
 # --- kill -9 inside every stage ----------------------------------------------------------------------------
 
-# (stage, the command dvc.yaml runs for it, its outputs, the directories its atomic temporaries appear in)
+# (stage, the command dvc.yaml runs for it -- `smdctl launch` execs that same command on one process --, its
+# outputs, the directories its atomic temporaries appear in)
 STAGES = [
     ("init-model", ["init-model"], ["artifacts/model/init"], ["artifacts/model"]),
     ("prepare", ["prepare"], ["artifacts/data"], ["artifacts/data"]),
