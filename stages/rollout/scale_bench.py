@@ -5,8 +5,9 @@ tiny model (random init) or `--policy`, random prompts of the held-out length, t
 processes are started like the launcher starts them (RANK / WORLD_SIZE / MASTER_* in the environment, gloo),
 each with `threads` torch threads. Reported per configuration: generated tokens/s of the parallel phase
 (the stage's own `rollout/tokens_per_s`: all tokens over the slowest process's sampling time), the wall time
-of the whole run (process start, model load, sampling, writing and merging the parts), and both relative
-to the first configuration. Repeats are interleaved and the best run counts (the machine is shared). The
+of the whole run (process start, model load, sampling, writing and merging the parts), tokens per CPU
+second of sampling (summed over processes: the overhead of the split, independent of how busy the machine
+is), each relative to the first configuration. Repeats are interleaved and the best run counts (the machine is shared). The
 trajectory tables of all configurations are compared byte for byte (they must be identical).
 """
 
@@ -53,6 +54,7 @@ def run_config(world: int, threads: int, params: Params, policy: Path, prompts: 
     details = json.loads((out / "details.json").read_text())
     return {"processes": world, "threads": threads, "tokens_per_s": details["rollout/tokens_per_s"],
             "tokens": details["rollout/generated_tokens"], "wall_s": wall,
+            "tokens_per_cpu_s": details["rollout/generated_tokens"] / max(details["rollout/cpu_seconds"], 1e-9),
             "table": (out / "trajectories.arrow").read_bytes()}
 
 
@@ -87,12 +89,15 @@ def bench_rollout_processes(processes: list[int], threads: int | None, policy: P
     print_fn(f"rollout on N processes: {num_prompts} prompts x {group_size} samples of {prompt_tokens} tokens, "
              f"{new_tokens} new tokens, batch {batch_size}, {params.rollout.eviction.policy} keep_ratio "
              f"{params.rollout.eviction.keep_ratio}; {cores} CPU cores; best of {repeats}")
-    print_fn(f"{'processes':>9} {'threads/proc':>12} {'tokens/s':>9} {'x first':>8} {'wall s':>7} {'x first':>8}")
+    print_fn(f"{'processes':>9} {'threads/proc':>12} {'tokens/s':>9} {'x first':>8} {'wall s':>7} {'x first':>8} "
+             f"{'tokens/CPU-s':>12} {'x first':>8}")
     for res in results:
         res["speedup"] = res["tokens_per_s"] / base["tokens_per_s"]
         res["wall_speedup"] = base["wall_s"] / res["wall_s"]
+        res["cpu_efficiency"] = res["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
         print_fn(f"{res['processes']:>9} {res['threads']:>12} {res['tokens_per_s']:>9.0f} {res['speedup']:>7.2f}x "
-                 f"{res['wall_s']:>7.1f} {res['wall_speedup']:>7.2f}x")
+                 f"{res['wall_s']:>7.1f} {res['wall_speedup']:>7.2f}x {res['tokens_per_cpu_s']:>12.0f} "
+                 f"{res['cpu_efficiency']:>7.2f}x")
     same = all(res["table"] == base["table"] for res in results)
     print_fn(f"trajectory tables identical across configurations: {'yes' if same else 'NO'}")
     for res in results:

@@ -83,10 +83,10 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
         """Sample this process's batches; write its trajectory rows and raw-mask shards under tmp/.parts."""
         mine = my_batches(len(batches), ctx)
         with vllm_engine(params, policy_path, prompts, jobs) if cfg.engine == "vllm" else nullcontext() as engine:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             samples = generate(model, tokenizer, prompts, batches, mine, cfg, params.seed, iteration,
                                show_progress and ctx.is_main, engine)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row)
                 for mask_row, (i, g), res, text in samples]
         shards = shard_masks([(res.evict_at, res.prompt_len) for _, _, res, _ in samples], cfg.shard_rows,
@@ -97,7 +97,7 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
         feather.write_feather(pa.Table.from_pylist(rows, schema=TRAJECTORIES_SCHEMA),
                               str(parts / f"trajectories-{ctx.rank:05d}.arrow"), compression="uncompressed")
         write_raw_masks(parts / f"masks-{ctx.rank:05d}.raw.zarr", shards, num_layers, num_kv, cfg.eviction.model_dump())
-        return {"seconds": seconds}
+        return {"seconds": seconds, "cpu_seconds": cpu}
 
     def merge(tmp: Path, summaries: list[dict[str, Any]]) -> None:
         """Rank 0: the canonical trajectory table (sorted by mask_row), one raw store, metrics."""
@@ -111,6 +111,8 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
         # Wall time of the parallel phase: the slowest process's (they start together after `agree`).
         metrics = rollout_metrics(rows, iteration, max(s["seconds"] for s in summaries))
         metrics["rollout/processes"] = ctx.world
+        # CPU time of all processes while sampling: what data parallelism costs besides the cores it needs.
+        metrics["rollout/cpu_seconds"] = float(sum(s["cpu_seconds"] for s in summaries))
         write_metrics(tmp / "metrics.json", metrics, HEADLINE, config)
 
     write_collectively(out_dir, ctx, my_part, merge)
