@@ -31,6 +31,7 @@ def test_deepspeed_bf16_mode_follows_the_model_dtype():
     assert ds_config(cfg, 1, 1, torch.float16, cuda=False)["fp16"]["enabled"] is False  # fp16 only on CUDA
 
 
+@pytest.mark.slow
 def test_rollout_and_learn_in_bf16(tmp_path):
     """Rollout (bf16 model, evicting engine) -> compaction -> smd learn in bf16 under DeepSpeed's bf16 mode: the
     shadow mask passes the bf16 gate, the dense teacher's gap stays far larger, the policy trains and stays bf16."""

@@ -84,6 +84,7 @@ def test_checkpointed_layers_give_the_same_gradients(tmp_path, backend):
         assert float((got[name] - g).abs().max()) <= TOL, name
 
 
+@pytest.mark.slow
 def test_learn_with_gradient_checkpointing_makes_the_same_update(tmp_path):
     model_dir = make_model_dir(tmp_path, "gqa")
     traj, masks = make_iteration(tmp_path, model_dir, make_prompts(tmp_path), make_params())
