@@ -16,7 +16,8 @@ from typing import Annotated
 
 import typer
 
-from cli.common import ParamsOption, SetOption, load
+from cli.common import ParamsOption, SetOption, guarded, load
+from schemas.errors import SmdInputError
 
 
 def _tool(name: str) -> str:
@@ -29,6 +30,12 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_hostfile(params: Path, hostfile: str | None) -> None:
+    """A hostfile that is set must exist: the launcher would otherwise run on this machine alone, silently."""
+    if hostfile and not Path(hostfile).is_file():
+        raise SmdInputError(f"{params}: pipeline.hostfile: {hostfile} is not a file")
 
 
 def launcher_argv(processes: int, hostfile: str | None, command: list[str], smdctl: str, deepspeed: str,
@@ -59,6 +66,7 @@ def register(app: typer.Typer) -> None:
         """Run `smdctl COMMAND ARGS...` on pipeline.processes processes (per node; the nodes of pipeline.hostfile
         when set) through the deepspeed launcher; in this process when 1 and no hostfile."""
         p = load(params, overrides)
+        guarded(lambda: check_hostfile(params, p.pipeline.hostfile))
         forwarded = [command, *ctx.args, "--params", str(params)]
         for item in overrides or []:
             forwarded += ["--set", item]

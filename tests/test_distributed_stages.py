@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from schemas.errors import SmdRankError
+from schemas.errors import SmdInputError, SmdRankError
 from schemas.masks import read_raw_masks
 from schemas.params.compaction import CompactionParams
 from schemas.tables import write_table
@@ -138,8 +138,13 @@ def test_failing_process_fails_every_process_and_writes_nothing(inputs, two_proc
     assert list(out.parent.iterdir()) == []  # the temporary directory is gone too
 
 
-def test_launcher_argv():
-    from cli.launch import launcher_argv
+def test_launcher_argv(tmp_path):
+    from cli.launch import check_hostfile, launcher_argv
+
+    with pytest.raises(SmdInputError, match=r"params.yaml: pipeline.hostfile: .*hosts is not a file"):
+        check_hostfile(Path("params.yaml"), str(tmp_path / "hosts"))
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    check_hostfile(Path("params.yaml"), str(tmp_path / "hosts"))
 
     cmd = ["rollout", "-i", "1", "--params", "params.yaml"]
     assert launcher_argv(1, None, cmd, "smdctl", "deepspeed", 1234) == ["smdctl", *cmd]
