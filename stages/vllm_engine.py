@@ -90,6 +90,15 @@ def _check_head_dim(config: dict, path: Path) -> None:
                             f"({', '.join(map(str, supported))}); use engine hf")
 
 
+def _cpu_scheduling(max_model_len: int, max_num_seqs: int) -> dict[str, int]:
+    """On CPU, a token budget per step that holds every sequence whole, so no prompt is prefilled in chunks:
+    vLLM 0.32's CPU runner fails on a seeded request whose partial-prefill token it discards (it rewinds the
+    request's generator offset, which CPU generators do not have). CUDA keeps vLLM's default budget."""
+    from vllm.platforms import current_platform
+
+    return {"max_num_batched_tokens": max_model_len * max_num_seqs} if current_platform.is_cpu() else {}
+
+
 class VllmEngine:
     """vLLM's `LLM` over a policy directory (Hugging Face format), built once per stage process; a context
     manager (`close` on exit).
@@ -141,6 +150,7 @@ class VllmEngine:
                 max_num_seqs=max_num_seqs,
                 kv_cache_memory_bytes=kv_cache_bytes(config, dtype_bytes, max_model_len, max_num_seqs),
                 logprobs_mode="processed_logprobs",
+                **_cpu_scheduling(max_model_len, max_num_seqs),
             )
         finally:
             for key in set(os.environ) - set(environ):
