@@ -51,6 +51,42 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# ChatML, the chat format of Qwen (and of its tokenizer's `chat_template`, without the tool and reasoning branches):
+# each message is "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt opens the assistant turn.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_bpe_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained here with `tokenizers` (GPT-2 / Qwen style: byte-level pre-tokenizer and
+    decoder, no unknown token) with Qwen's special tokens and ChatML chat template: the assistant turn ends with
+    `<|im_end|>`, the EOS token (as Qwen3's instruct tokenizers), `<|endoftext|>` pads; no BOS (Qwen adds none)."""
+    from tokenizers import decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
+
+
+def prompt_token_ids(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
+    """The prompt's token ids as the policy sees them: rendered through the tokenizer's chat template as one user
+    turn with the assistant turn opened (`add_generation_prompt`), as Hugging Face chat models are prompted, when the
+    tokenizer has a template and `chat_template` is on; else the plain text without special tokens."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
 def build_tiny_model(shape: TinyModelParams, vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
     config = Qwen3Config(
         vocab_size=vocab_size,

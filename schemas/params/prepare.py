@@ -89,6 +89,13 @@ class PrepareParams(BaseModel):
         description="Dataset tasks: local held-out file in the same format; when unset, `num_eval` examples "
         "are split off the train file (seeded shuffle).",
     )
+    chat_template: bool = Field(
+        True,
+        description="When the policy's tokenizer has a chat template (Hugging Face chat models), render each prompt "
+        "through it as one user turn with the assistant turn opened (add_generation_prompt), as the model was "
+        "trained to be prompted; false = the plain prompt text. The tiny default tokenizer has no template. "
+        "Dataset prompts are truncated to max_prompt_tokens before the template adds its few tokens.",
+    )
     max_prompt_tokens: int = Field(
         1024,
         ge=16,

@@ -10,7 +10,7 @@ from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
 from schemas.params.prepare import SYNTHETIC_TASKS, PrepareParams
 from schemas.tables import write_table
-from stages.model import load_tokenizer
+from stages.model import load_tokenizer, prompt_token_ids
 from stages.prepare import loaders, synthetic
 
 HEADLINE = ("train.rows", "eval.rows", "train.prompt_tokens_mean", "eval.prompt_tokens_mean")
@@ -18,7 +18,7 @@ HEADLINE = ("train.rows", "eval.rows", "train.prompt_tokens_mean", "eval.prompt_
 def _synthetic_rows(cfg: PrepareParams, tokenizer, seed: int, split: str, n: int) -> list[dict[str, Any]]:
     rows = []
     for i, (prompt, reference) in enumerate(synthetic.generate(cfg.task, cfg, seed, split, n)):
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt_token_ids(tokenizer, prompt, cfg.chat_template)
         rows.append(
             {
                 "prompt_id": f"{cfg.task}-{split}-{i:06d}",
@@ -48,6 +48,8 @@ def _dataset_rows(
             dropped += 1
             continue
         prompt, ids = rendered
+        if cfg.chat_template and getattr(tokenizer, "chat_template", None):
+            ids = prompt_token_ids(tokenizer, prompt)  # the truncated text in the chat turn (+ the template's tokens)
         pid, k = ex.source_id, 2
         while pid in seen:
             pid, k = f"{ex.source_id}#{k}", k + 1
@@ -89,7 +91,8 @@ def run_prepare(
     """Write `train.arrow`, `eval.arrow` (prompts tables), `stats.json` (headline: rows and mean prompt tokens
     per split) and `details.json` (every statistic) under `out_dir`.
 
-    Prompts are tokenized with the policy's tokenizer at `tokenizer_path` (no special tokens added).
+    Prompts are tokenized with the policy's tokenizer at `tokenizer_path`: through its chat template when it has
+    one and `chat_template` is on (`stages.model.prompt_token_ids`), else the plain text (no special tokens added).
     Everything is built and validated in memory first, so bad input leaves nothing behind.
     """
     out_dir = Path(out_dir)
