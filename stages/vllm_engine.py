@@ -109,9 +109,10 @@ class VllmEngine:
 
     vLLM's in-process engine changes its host process (a gloo process group, the global RNG seeds, the
     environment, and on CPU `torch.set_num_threads` replaced by a no-op); the constructor puts back the RNG
-    states, the non-vLLM environment and `torch.set_num_threads`, and `close` removes the process group, so a
-    learner running later in the same process (`smdctl chain`, tests) starts as if vLLM had not run. Under
-    the multi-process launcher it refuses: vLLM batches on its own, one process per stage.
+    states, the non-vLLM environment and `torch.set_num_threads`, and `close` removes the process group. A
+    DeepSpeed learner started later in the same process still fails to set up its groups, so the engine
+    serves `dvc repro` (one process per stage), not yet `smdctl chain`. Under the multi-process launcher it
+    refuses: vLLM batches on its own, one process per stage.
     """
 
     def __init__(self, policy_dir: str | Path, dtype: str, max_model_len: int, max_num_seqs: int, seed: int = 0):
