@@ -79,6 +79,23 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 1200) -> str:
     return proc.stdout + proc.stderr
 
 
+def _wait_for_process(session: int, words: list[str], timeout: float = 120.0) -> None:
+    """Until a process of `session` has all of `words` in its command line (read from /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if os.getsid(int(entry.name)) == session and all(w.encode() in argv for w in words):
+                    return
+            except (OSError, ProcessLookupError):
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no process {' '.join(words)} in session {session} within {timeout}s")
+
+
 @pytest.mark.slow
 def test_dvc_pipeline_end_to_end(tmp_path):
     proj = _project(tmp_path)
@@ -91,7 +108,10 @@ def test_dvc_pipeline_end_to_end(tmp_path):
     for line in proc.stdout:
         log.append(line)
         if "Running stage 'learn@2'" in line:
-            time.sleep(2)
+            # DVC's output may arrive late (buffered); interrupt only once learn@2's own process is running,
+            # while it is still starting (imports, DeepSpeed), never after it finished.
+            _wait_for_process(proc.pid, ["learn", "--iteration", "2"])
+            time.sleep(0.5)
             os.killpg(proc.pid, signal.SIGINT)
             break
     proc.wait(timeout=120)
