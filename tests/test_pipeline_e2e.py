@@ -101,21 +101,23 @@ def test_dvc_pipeline_end_to_end(tmp_path):
     proj = _project(tmp_path)
     art = proj / "artifacts"
 
-    # Kill the run inside learn@2, then resume.
-    proc = subprocess.Popen(["dvc", "repro"], cwd=proj, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    log = []
-    for line in proc.stdout:
-        log.append(line)
-        if "Running stage 'learn@2'" in line:
-            # DVC's output may arrive late (buffered); interrupt only once learn@2's own process is running,
-            # while it is still starting (imports, DeepSpeed), never after it finished.
-            _wait_for_process(proc.pid, ["learn", "--iteration", "2"])
+    # Kill the run inside learn@2, then resume. DVC's output is buffered (its "Running stage" line may come
+    # only after the stage ran), so learn@2 is found by its own process, polled in /proc from the start, and
+    # interrupted while it is still starting (imports, DeepSpeed).
+    log_path = tmp_path / "repro.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(["dvc", "repro"], cwd=proj, env=_env(), stdout=log_file, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            _wait_for_process(proc.pid, ["learn", "--iteration", "2"], timeout=900)
             time.sleep(0.5)
             os.killpg(proc.pid, signal.SIGINT)
-            break
-    proc.wait(timeout=120)
-    assert any("Running stage 'learn@2'" in line for line in log), "".join(log)[-3000:]
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    log = log_path.read_text()
+    assert "Running stage 'learn@2'" in log, log[-3000:]
     assert not (art / "iter-002" / "policy").exists()
     before = {p: p.stat().st_mtime_ns for p in (art / "iter-001" / "rollout").rglob("*") if p.is_file()}
     out = _run(["dvc", "repro"], proj)
