@@ -79,3 +79,14 @@ def empty_params(directory: Path) -> Path:
     path = Path(directory) / "defaults.yaml"
     path.write_text("")
     return path
+
+
+def write_prompt_splits(data: Path) -> Path:
+    """Tiny train and eval prompt tables (3 random prompts each) in `data/`, as prepare writes them."""
+    from schemas.tables import write_table
+
+    for split, seed in (("train", 1), ("eval", 2)):
+        rows = [{"prompt_id": f"{split}{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids,
+                 "reference": "cat 12"} for i, ids in enumerate(random_prompts([20, 26, 23], seed=seed))]
+        write_table(rows, data / f"{split}.arrow", "prompts")
+    return data

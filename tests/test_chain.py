@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from schemas.params import load_params
-from schemas.tables import read_table, write_table
+from schemas.tables import read_table
 from stages.rollout.stage import rollout
-from tests.helpers import empty_params, make_model_dir, random_prompts
+from tests.helpers import empty_params, make_model_dir, write_prompt_splits
 
 SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
         "rollout.eviction.window=4", "rollout.eviction.sinks=2", "learner.micro_batch_size=4",
@@ -19,11 +19,7 @@ SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_
 
 def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
     model_dir = make_model_dir(tmp_path, "gqa")
-    data = tmp_path / "data"
-    for split, seed in (("train", 1), ("eval", 2)):
-        rows = [{"prompt_id": f"{split}{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids,
-                 "reference": "cat 12"} for i, ids in enumerate(random_prompts([20, 26, 23], seed=seed))]
-        write_table(rows, data / f"{split}.arrow", "prompts")
+    data = write_prompt_splits(tmp_path / "data")
     run = tmp_path / "run"
     args = ["chain", "--run-dir", str(run), "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir),
             "--data", str(data), *[x for s in SETS for x in ("-S", s)]]

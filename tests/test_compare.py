@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from cli.main import app
 from schemas.compare import load_compare_spec
 from schemas.errors import SmdInputError
-from schemas.tables import read_table, write_table
-from tests.helpers import empty_params, make_model_dir, random_prompts
+from schemas.tables import read_table
+from tests.helpers import empty_params, make_model_dir, write_prompt_splits
 
 SETS = ["rollout.prompts_per_iteration=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
         "rollout.eviction.window=4", "learner.micro_batch_size=4", "evaluate.max_new_tokens=4",
@@ -31,11 +31,7 @@ arms:
 
 def _inputs(tmp_path):
     model_dir = make_model_dir(tmp_path, "gqa")
-    data = tmp_path / "data"
-    for split, seed in (("train", 1), ("eval", 2)):
-        rows = [{"prompt_id": f"{split}{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids,
-                 "reference": "cat 12"} for i, ids in enumerate(random_prompts([20, 26, 23], seed=seed))]
-        write_table(rows, data / f"{split}.arrow", "prompts")
+    data = write_prompt_splits(tmp_path / "data")
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
     return model_dir, data, spec
