@@ -81,11 +81,15 @@ def decoder_of(model):
 
 def enable_layer_checkpointing(model) -> None:
     """Activation (gradient) checkpointing of every decoder layer, the transformers way
-    (`activation_checkpointing_enable`, non-reentrant `torch.utils.checkpoint`): a layer keeps only its input in the
+    (`activation_checkpointing_enable`, `gradient_checkpointing_enable` before 5.20; non-reentrant `torch.utils.checkpoint`): a layer keeps only its input in the
     forward and recomputes its activations in the backward, with the same keyword arguments (the mask included). transformers checkpoints a layer only while it is in
     training mode; the learner runs the model in eval mode (no dropout), so the forward with gradient runs inside
     `checkpointed_layers`."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name; transformers 5.19 has only the old one
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # The backward recomputes a layer after the forward's `attention_implementation` context has exited: the
     # attention the model dispatches to must not depend on that context. `smd_shadow` replays the mask when the
     # forward carries `smd_evict_at` and is transformers' SDPA otherwise, so it stays selected for good.
