@@ -9,12 +9,15 @@ last iteration whose evaluation is written; `smdctl report <run-dir>` draws its 
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 import yaml
@@ -23,6 +26,8 @@ from cli.common import ParamsOption, SetOption, guarded, load
 from cli.paths import ARTIFACTS, WARMSTART_POLICY
 from schemas.atomic import atomic_path, check_replaceable
 from schemas.params import Params, start_policy
+
+T = TypeVar("T")
 
 
 def register(app: typer.Typer) -> None:
@@ -77,11 +82,22 @@ def run_iteration(p: Params, n: int, policy: Path, base: Path, data: Path, evalu
         if (base / stale).exists():  # a half-done iteration reruns whole; never a directory smd did not write
             check_replaceable(base / stale)
             shutil.rmtree(base / stale)
-    out = rollout(p, n, policy, data / "train.arrow", base / "rollout", show_progress=False)
+    # A vLLM stage runs in a process of its own, as under `dvc repro`: vLLM's in-process engine leaves the
+    # process changed (its torch.distributed state), and DeepSpeed's learner cannot set up its groups after it.
+    run_rollout = partial(in_own_process, rollout) if p.rollout.engine == "vllm" else rollout
+    run_evaluate = partial(in_own_process, evaluate) if p.evaluate.engine == "vllm" else evaluate
+    out = run_rollout(p, n, policy, data / "train.arrow", base / "rollout", show_progress=False)
     compact(p.compaction, out["trajectories"], out["raw_masks"], base / "compact" / "masks.zarr")
     learn(p, n, policy, out["trajectories"], base / "compact" / "masks.zarr", base / "policy", base / "learn")
     if n > 1:  # only the newest policy's optimizer state is needed to resume
         shutil.rmtree(base.parent / f"iter-{n - 1:03d}" / "policy" / "trainer_state", ignore_errors=True)
     if evaluated:
-        evaluate(p, n, base / "policy", data / "eval.arrow", base / "evaluate", show_progress=False)
+        run_evaluate(p, n, base / "policy", data / "eval.arrow", base / "evaluate", show_progress=False)
     progress(n, base.parent)
+
+
+def in_own_process(stage: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a stage function in a fresh (spawned) Python process and return its result; its exception (one-line
+    bad input included) is raised here."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(stage, *args, **kwargs).result()

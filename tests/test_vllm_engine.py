@@ -131,7 +131,7 @@ def test_vllm_rollout_passes_the_learners_parity_gate(stage_setup):
     masks = compact(load_params(None, []).compaction, out["trajectories"], out["raw_masks"],
                     root / "it1" / "compact" / "masks.zarr")
     # `smdctl learn` in its own process, as dvc runs it: DeepSpeed in a process where vLLM ran fails to
-    # initialise its groups (known limitation: engine vllm under `smdctl chain`)
+    # initialise its groups (`smdctl chain` runs its vLLM stages in child processes for that reason)
     sets = [x for k, v in LEARN.items() for x in ("-S", f"{k}={v}")]
     subprocess.run([sys.executable, "-m", "cli.main", "learn", "-i", "1", "--params", str(empty_params(root)), *sets,
                     "--policy", str(model_dir), "--trajectories", str(out["trajectories"]), "--masks",
@@ -162,6 +162,41 @@ def test_evaluate_dense_mode_on_vllm_equals_hf(stage_setup):
                     show_progress=False)
     cols = ["mode", "prompt_id", "response_token_ids", "score", "finish_reason"]
     pd.testing.assert_frame_equal(pd.read_feather(hf["predictions"])[cols], pd.read_feather(fast["predictions"])[cols])
+
+
+def test_chain_runs_vllm_stages_in_their_own_process(stage_setup):
+    """`smdctl chain` with both engines on vLLM: the vLLM stages run in spawned children, so DeepSpeed's learner
+    in the chain's process sets up its groups; the rollout equals the stage run alone."""
+    root, model_dir, prompts, out = stage_setup
+    data = root / "chain-data"
+    data.mkdir()
+    for split in ("train", "eval"):
+        (data / f"{split}.arrow").write_bytes(Path(prompts).read_bytes())
+    run = root / "chain"
+    sets = {**LEARN, "rollout.engine": "vllm", "evaluate.engine": "vllm", "evaluate.max_new_tokens": 4}
+    subprocess.run([sys.executable, "-m", "cli.main", "chain", "--run-dir", str(run), "--params",
+                    str(empty_params(root)), "--warmstart", str(model_dir), "--data", str(data), "--iterations", "1",
+                    *[x for k, v in sets.items() for x in ("-S", f"{k}={v}")]],
+                   check=True, cwd=Path(__file__).resolve().parents[1])
+    base = run / "artifacts" / "iter-001"
+    assert read_table(base / "rollout" / "trajectories.arrow", "trajectories").equals(
+        read_table(out["trajectories"], "trajectories"))
+    learned = json.loads((base / "learn" / "details.json").read_text())
+    assert learned["learner/global_step"] == 1 and learned["mismatch/logprob_abs_diff_max"] <= TOL
+    assert json.loads((base / "evaluate" / "details.json").read_text())["config"]["evaluate"]["engine"] == "vllm"
+
+
+def test_vllm_rollout_does_not_load_the_hf_model(vllm, stage_setup, monkeypatch):
+    from stages.rollout import stage
+
+    root, model_dir, prompts, out = stage_setup
+
+    def refuse(*_, **__):
+        raise AssertionError("the HF model was loaded")
+
+    monkeypatch.setattr(stage, "load_policy", refuse)
+    again = rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "no-hf", show_progress=False)
+    assert read_table(again["trajectories"], "trajectories").equals(read_table(out["trajectories"], "trajectories"))
 
 
 # ---------------------------------------------------------------- without vLLM

@@ -240,7 +240,7 @@ def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path):
     tokenizer = load_tokenizer(policy_path)
     longest = max(prompts, key=lambda p: len(p["prompt_token_ids"]))
     n = len(longest["prompt_token_ids"])
-    check_positions(model, n + cfg.max_new_tokens,
+    check_positions(model.config, n + cfg.max_new_tokens,
                     f"{eval_prompts_path}: prompt_token_ids: prompt {longest['prompt_id']} has {n} tokens; with "
                     f"evaluate.max_new_tokens={cfg.max_new_tokens} it")
     return prompts, model, tokenizer

@@ -81,7 +81,7 @@ def decoder_of(model):
 
 def enable_layer_checkpointing(model) -> None:
     """Activation (gradient) checkpointing of every decoder layer, the transformers way
-    (`activation_checkpointing_enable`, `gradient_checkpointing_enable` before 5.20; non-reentrant `torch.utils.checkpoint`): a layer keeps only its input in the
+    (`activation_checkpointing_enable`, `gradient_checkpointing_enable` in 5.19; non-reentrant `torch.utils.checkpoint`): a layer keeps only its input in the
     forward and recomputes its activations in the backward, with the same keyword arguments (the mask included). transformers checkpoints a layer only while it is in
     training mode; the learner runs the model in eval mode (no dropout), so the forward with gradient runs inside
     `checkpointed_layers`."""

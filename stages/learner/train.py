@@ -397,7 +397,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
     data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv, need_masks=masked)
     longest = max(data.length(r) for r in range(len(data)))
-    check_positions(model, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
+    check_positions(model.config, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
     ref_model = load_policy(cfg.reference_path, params.model.dtype) if cfg.ref_kl_coef > 0 else None
 
     ctx = init_distributed()

@@ -30,7 +30,7 @@ from schemas.params import EvictionParams, Params, RolloutParams
 from schemas.tables import TRAJECTORIES_SCHEMA, read_table, write_table
 from stages.distributed import agree, attempt, batch_seed, my_batches, worker_context, write_collectively
 from stages.kvcache.engine import SampleResult, generate_batch
-from stages.model import check_positions, load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_policy_config, load_tokenizer
 from stages.vllm_engine import VllmEngine, request_seed
 
 HEADLINE = ("reward/mean", "kv/kept_fraction", "response/length_mean", "rollout/tokens_per_s")
@@ -72,12 +72,12 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     ctx = worker_context()
     inputs, error = attempt(lambda: _inputs(params, iteration, policy_path, prompts_path))
     agree(ctx, None, error)  # bad input: one line from rank 0 (every process reads the same files)
-    prompts, model, tokenizer, jobs = inputs
+    prompts, model, model_config, tokenizer, jobs = inputs
     batches = [jobs[s: s + cfg.batch_size] for s in range(0, len(jobs), cfg.batch_size)]
     torch.manual_seed(params.seed * 1_000_003 + iteration)
     config = {"rollout": cfg.model_dump(), "seed": params.seed, "iteration": iteration, "policy": str(policy_path)}
-    num_kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
-    num_layers = model.config.num_hidden_layers
+    num_kv = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    num_layers = model_config.num_hidden_layers
 
     def my_part(tmp: Path) -> dict[str, Any]:
         """Sample this process's batches; write its trajectory rows and raw-mask shards under tmp/.parts."""
@@ -126,15 +126,20 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
 
 
 def _inputs(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path):
-    """(prompts, model, tokenizer, jobs) of an iteration, after checking that the prompts fit the model."""
+    """(prompts, model, model config, tokenizer, jobs) of an iteration, after checking that the prompts fit the
+    model. With `engine: vllm` vLLM loads the weights: the model is None and only its config is read."""
     cfg = params.rollout
     prompts = read_table(prompts_path, "prompts").to_pylist()
-    model = load_policy(policy_path, params.model.dtype)
+    if cfg.engine == "vllm":
+        model, model_config = None, load_policy_config(policy_path)
+    else:
+        model = load_policy(policy_path, params.model.dtype)
+        model_config = model.config
     tokenizer = load_tokenizer(policy_path)
     picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration,
                             eligible_prompts(prompts, cfg.min_prompt_tokens, prompts_path))
-    jobs = group_jobs(prompts, picked, cfg.group_size, model, cfg.max_new_tokens, prompts_path)
-    return prompts, model, tokenizer, jobs
+    jobs = group_jobs(prompts, picked, cfg.group_size, model_config, cfg.max_new_tokens, prompts_path)
+    return prompts, model, model_config, tokenizer, jobs
 
 
 def vllm_engine(params: Params, policy_path: str | Path, prompts: list[dict[str, Any]],
@@ -146,12 +151,12 @@ def vllm_engine(params: Params, policy_path: str | Path, prompts: list[dict[str,
                       params.rollout.batch_size, params.seed)
 
 
-def group_jobs(prompts: list[dict[str, Any]], picked: list[int], group_size: int, model, max_new_tokens: int,
+def group_jobs(prompts: list[dict[str, Any]], picked: list[int], group_size: int, model_config, max_new_tokens: int,
                source: str | Path) -> list[tuple[int, int]]:
     """(prompt index, group index) of every response to sample, after checking the longest prompt fits."""
     longest = max(sorted(set(picked)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
     n = len(prompts[longest]["prompt_token_ids"])
-    check_positions(model, n + max_new_tokens,
+    check_positions(model_config, n + max_new_tokens,
                     f"{source}: prompt_token_ids: prompt {prompts[longest]['prompt_id']} has {n} tokens; with "
                     f"max_new_tokens={max_new_tokens} it")
     return [(i, g) for i in picked for g in range(group_size)]

@@ -191,7 +191,7 @@ class Examples:
         prompts = [r["prompt_token_ids"] for r in train]
         responses = [response_ids(tokenizer, r["reference"]) for r in train]
         longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-        check_positions(model, longest, f"{source}: prompt_token_ids: a sequence of {longest} tokens")
+        check_positions(model.config, longest, f"{source}: prompt_token_ids: a sequence of {longest} tokens")
         n_check = min(cfg.check_rows, len(train) // 4) if cfg.target_exact_match > 0 else 0
         by_length = sorted(range(len(train)), key=lambda i: (-len(prompts[i]), i))
         check_idx, train_idx = sorted(by_length[:n_check]), sorted(by_length[n_check:])
