@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="Output directory (default: model.init_path); never a directory smd did not create."),
         ] = None,
     ) -> None:
-        """Build the tiny Qwen3-architecture default model and its word-level tokenizer.
+        """Build the tiny Qwen3-architecture default model and its tokenizer (model.tiny.tokenizer: word-level,
+        or byte-level BPE with Qwen's special tokens and ChatML chat template).
 
         When model.init_path is a model directory smd did not create (your Hugging Face model), nothing is
         built and the directory is left untouched; its name is recorded in artifacts/model/init/source.json.

@@ -1,7 +1,8 @@
 """Policy loading and the tiny default model, importable by every stage.
 
 The tiny default is a Qwen3-architecture causal LM built from a config (nothing can be downloaded
-here) with a word-level tokenizer built with `tokenizers`. Any Hugging Face causal-LM directory works
+here) with a word-level tokenizer built with `tokenizers`, or (model.tiny.tokenizer=bpe) a byte-level BPE
+tokenizer trained here with Qwen's special tokens and ChatML chat template. Any Hugging Face causal-LM directory works
 in its place through `model.init_path`.
 """
 
@@ -27,7 +28,7 @@ from transformers.utils import logging as hf_logging
 from schemas.atomic import atomic_path, is_foreign_dir
 from schemas.errors import SmdInputError
 from schemas.params.model import ModelParams, TinyModelParams
-from stages.vocab import tiny_vocabulary
+from stages.vocab import bpe_training_corpus, tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
 
@@ -77,6 +78,24 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTo
                                    chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
 
 
+def build_tokenizer(shape: TinyModelParams) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer that model.tiny.tokenizer names: word-level, or byte-level BPE trained on the
+    fixed corpus `stages.vocab.bpe_training_corpus()` (deterministic: the same tokenizer.json every time)."""
+    if shape.tokenizer == "bpe":
+        return build_bpe_tokenizer(bpe_training_corpus(), vocab_size=shape.bpe_vocab_size)
+    return build_tiny_tokenizer()
+
+
+def match_special_tokens(model, tokenizer) -> None:
+    """Set the model config's and generation config's EOS, pad and BOS ids to the tokenizer's (None where the
+    tokenizer has none, as Qwen has no BOS), as a Hugging Face model directory carries them: generation stops on
+    the config's EOS, and a config that names another tokenizer's ids would stop on the wrong token."""
+    for config in (model.config, model.generation_config):
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+
+
 def prompt_token_ids(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
     """The prompt's token ids as the policy sees them: rendered through the tokenizer's chat template as one user
     turn with the assistant turn opened (`add_generation_prompt`), as Hugging Face chat models are prompted, when the
@@ -109,9 +128,11 @@ def build_tiny_model(shape: TinyModelParams, vocab_size: int, seed: int = 0) -> 
 
 
 def init_tiny_model(shape: TinyModelParams, out_dir: str | Path, seed: int = 0) -> Path:
-    """Build the tiny model and its tokenizer and save both as one Hugging Face directory (atomically)."""
-    tokenizer = build_tiny_tokenizer()
+    """Build the tiny model and its tokenizer (model.tiny.tokenizer) and save both as one Hugging Face directory
+    (atomically); the config's special-token ids are the tokenizer's. Same shape and seed -> identical files."""
+    tokenizer = build_tokenizer(shape)
     model = build_tiny_model(shape, vocab_size=len(tokenizer), seed=seed)
+    match_special_tokens(model, tokenizer)
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -6,6 +6,8 @@ sets still load (unknown words become [UNK]) and real models bring their own tok
 
 from __future__ import annotations
 
+import random
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
 DIGITS = [str(d) for d in range(10)]
 PUNCTUATION = list(".,:;?!=+-*/#()'\"$%&<>[]{}|_")
@@ -41,3 +43,22 @@ def tiny_vocabulary() -> list[str]:
     for token in SPECIAL_TOKENS + DIGITS + PUNCTUATION + LETTERS + WORDS:
         seen.setdefault(token, None)
     return list(seen)
+
+
+# Chat roles of the ChatML template (stages.model.CHATML_TEMPLATE): "<|im_start|>user\n" etc.
+CHAT_ROLES = ["system", "user", "assistant"]
+
+
+def bpe_training_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    """The fixed text the tiny byte-level BPE tokenizer is trained on (`stages.model.build_bpe_tokenizer`):
+    `lines` seeded lines, each a chat role name and a newline (as the template renders a turn) then words, numbers
+    (1-3 digits) and punctuation the synthetic tasks write, joined by single spaces as the tasks join them. Same
+    (lines, seed) -> the same list in any process (`random.Random` with a str seed ignores PYTHONHASHSEED)."""
+    rng = random.Random(f"smd-bpe-corpus:{seed}")
+    symbols = PUNCTUATION + WORDS
+    corpus = []
+    for _ in range(lines):
+        parts = [str(rng.randrange(10 ** rng.randint(1, 3))) if rng.random() < 0.2 else rng.choice(symbols)
+                 for _ in range(rng.randint(4, 16))]
+        corpus.append(rng.choice(CHAT_ROLES) + "\n" + " ".join(parts))
+    return corpus

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class TinyModelParams(BaseModel):
-    """Shape of the tiny Qwen3-architecture model that `smdctl init-model` builds from a config."""
+    """Shape and tokenizer of the tiny Qwen3-architecture model that `smdctl init-model` builds from a config."""
 
     model_config = ConfigDict(extra="forbid")
     hidden_size: int = Field(128, ge=8, description="Residual width.")
@@ -19,6 +19,21 @@ class TinyModelParams(BaseModel):
     intermediate_size: int = Field(384, ge=8, description="MLP width.")
     max_position_embeddings: int = Field(8192, ge=64, description="Longest sequence (prompt + response).")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
+    tokenizer: Literal["word", "bpe"] = Field(
+        "word",
+        description="Tokenizer of the tiny model. `word`: word-level, one token per word of the synthetic tasks' "
+        "vocabulary (stages/vocab.py), [BOS]/[EOS]/[PAD], no chat template. `bpe`: a byte-level BPE tokenizer "
+        "trained with `tokenizers` on a fixed seeded corpus of that vocabulary (the same files every time), with "
+        "Qwen's special tokens and ChatML chat template: EOS <|im_end|>, pad <|endoftext|>, no BOS; prepare then "
+        "renders prompts through the template (prepare.chat_template).",
+    )
+    bpe_vocab_size: int = Field(
+        512,
+        ge=260,
+        le=2048,
+        description="tokenizer=bpe: vocabulary size, exactly (256 byte tokens, 3 special tokens, the rest BPE "
+        "merges); ignored for tokenizer=word.",
+    )
 
 
 class ModelParams(BaseModel):
