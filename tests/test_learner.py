@@ -335,16 +335,18 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
     assert_nothing_written(tmp_path, model_dir, digest)
 
 
-def test_flex_backend_learns_like_sdpa(tmp_path, setup):
-    """The FlexAttention learner (block mask from evict_at, CPU block-sparse backward) passes the parity gate and
-    makes the same update as the SDPA reference."""
+def test_flex_and_tiled_backends_learn_like_sdpa(tmp_path, setup):
+    """The FlexAttention learner (block mask from evict_at, CPU block-sparse backward) and the tiled one (CPU
+    flash-attention kernel per query tile, forward and backward) pass the parity gate and make the same update
+    as the SDPA reference."""
     root, model_dir, _, traj, masks = setup
     over = {"learner.lr": 1e-4, "learner.adam_eps": 1e-6, "learner.flex_block_size": 16}
     outs = {b: learn(make_params(**over, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
-                     tmp_path / b / "policy") for b in ("sdpa", "flex")}
-    m = json.loads(outs["flex"]["details"].read_text())
-    assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["attention_backend"] == "flex"
-    assert max_param_diff(params_of(outs["sdpa"]["policy"]), params_of(outs["flex"]["policy"])) <= 1e-6
+                     tmp_path / b / "policy") for b in ("sdpa", "flex", "tiled")}
+    for backend in ("flex", "tiled"):
+        m = json.loads(outs[backend]["details"].read_text())
+        assert m["mismatch/logprob_abs_diff_max"] <= TOL and m["attention_backend"] == backend
+        assert max_param_diff(params_of(outs["sdpa"]["policy"]), params_of(outs[backend]["policy"])) <= 1e-6
 
 
 def test_several_updates_and_reference_kl(tmp_path, setup):

@@ -55,7 +55,7 @@ def _smd_grads(model, batch, backend: str, checkpointing: bool):
             hidden, targets, valid = response_hidden(model, ids, evict_at, prompts, resp, "flex",
                                                      smd_block_masks=build_block_masks(evict_at, 4, 16))
         else:
-            hidden, teacher, targets, valid = response_hidden_with_teacher(model, ids, evict_at, prompts, resp)
+            hidden, teacher, targets, valid = response_hidden_with_teacher(model, ids, evict_at, prompts, resp, backend)
     scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=0.8, teacher_hidden=teacher)
     loss, _ = objective_loss("smd", advantages=group_advantages(torch.tensor([1.0, 0.0, 3.0]), group_size=3),
                              mask=valid, rollout_logp=rollout, masked_logp=scores["logp"], kl_per_token=scores["kl"],
@@ -68,7 +68,7 @@ def _smd_grads(model, batch, backend: str, checkpointing: bool):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, calls["backward"]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
 def test_checkpointed_layers_give_the_same_gradients(tmp_path, backend):
     model_dir = make_model_dir(tmp_path, "gqa")
     batch = _batch()

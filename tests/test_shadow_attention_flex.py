@@ -116,7 +116,7 @@ def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
         assert (results["flex"][1][name] - g).abs().max().item() <= 1e-4 * max(1.0, g.abs().max().item()), name
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
 def test_shared_prefix_teacher_pass_equals_separate_passes(tmp_path, backend):
     """Policy + teacher over a shared prefill (one prefix pass into a KV cache) == two full forwards."""
     from stages.learner.shadow_attention import response_logits_with_teacher, shared_prefix_length

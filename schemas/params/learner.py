@@ -16,7 +16,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AdvantageScale = Literal["std", "none"]
 RefKlKind = Literal["k1", "k2", "k3"]
 TisLevel = Literal["token", "sequence"]
-AttentionBackend = Literal["sdpa", "flex"]
+AttentionBackend = Literal["sdpa", "flex", "tiled"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
@@ -175,7 +175,9 @@ class LearnerParams(BaseModel):
         "sdpa",
         description=f"Shadow attention backend, one of {ATTENTION_BACKENDS}: sdpa = reference, an explicit "
         "[B, H, T, T] boolean mask per layer (short sequences); flex = FlexAttention with a block mask built "
-        "from evict_at (no T x T mask; compiled on first use; for long contexts).",
+        "from evict_at (no T x T mask; compiled on first use; for long contexts on CUDA); tiled = query tiles "
+        "through PyTorch's fused CPU flash-attention kernel over the keys each head still sees (no T x T mask, "
+        "no compilation; for long contexts on CPU).",
     )
     flex_block_size: int = Field(
         128, ge=16, description="FlexAttention block size (query and key tiles); sequences are padded to it."

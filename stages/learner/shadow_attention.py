@@ -8,6 +8,8 @@ Backends:
 - `sdpa` (reference): an explicit per-head boolean mask [B, H, T, T] built per layer from evict_at.
 - `flex`: FlexAttention with a BlockMask built from evict_at (mask memory O(T) plus O((T/block)^2)
   block indices; fully masked blocks are skipped).
+- `tiled`: query tiles through PyTorch's fused CPU flash-attention kernel, forward and backward, over the keys
+  each (sequence, KV head) still shows the tile (stages/learner/tiled_backend.py; the fast path on CPU).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         from stages.learner.flex_backend import flex_shadow_attention
 
         out = flex_shadow_attention(query, key, value, evict_at[layer], scaling, kwargs.get("smd_block_masks"), layer)
+    elif backend == "tiled":
+        from stages.learner.tiled_backend import tiled_shadow_attention
+
+        out = tiled_shadow_attention(query, key, value, evict_at[layer], scaling)
     else:
         mask = shadow_mask(evict_at[layer]).repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
@@ -180,6 +186,10 @@ def shadow_suffix_attention(module, query, key, value, attention_mask, dropout=0
         from stages.learner.flex_backend import flex_shadow_attention
 
         out = flex_shadow_attention(query, key, value, evict_at[layer], scaling, kwargs.get("smd_block_masks"), layer)
+    elif backend == "tiled":
+        from stages.learner.tiled_backend import tiled_shadow_attention
+
+        out = tiled_shadow_attention(query, key, value, evict_at[layer], scaling)
     else:
         mask = shadow_mask(evict_at[layer])[:, :, offset:].repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)

@@ -1,0 +1,132 @@
+"""Tiled backend of the shadow attention (`learner.attention_backend: tiled`; docs/design.md §4).
+
+The shadow mask replayed tile by tile through PyTorch's own fused CPU flash-attention kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, the kernel behind
+`F.scaled_dot_product_attention` on CPU), forward and backward. For each tile of `tile_rows` query rows and
+each (sequence, KV head), only the keys that head still shows to some row of the tile are gathered — key k
+with k < tile end and evict_at[k] > tile start — so evicted keys cost nothing, and the mask of the tile
+(`k <= q and evict_at[k] > q`, additive 0 / -inf) covers [rows x gathered keys] only: temporaries are
+O(tile_rows x T) per step, never T x T. The query heads of a KV group share its mask and keys, so they run as
+one call with the group's heads stacked as rows (GQA without repeating keys).
+
+Rows before the first eviction see exactly their causal prefix: they run through the dense causal kernel
+(`is_causal=True`), the dense learner's own.
+
+Why: on CPU, PyTorch has no FlexAttention backward, and its compiled FlexAttention forward measured slower than
+the flash kernel on the same rows (`smdctl bench learner`); the flash kernel has a fused backward that takes
+the forward's log-sum-exp, so nothing but the output and log-sum-exp is kept between the passes. On CUDA use
+`flex` (FlexAttention's compiled forward and backward).
+
+Values and gradients equal the `sdpa` reference backend's to float rounding (tests/test_tiled_backend.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+DEFAULT_TILE_ROWS = 256
+
+
+def _tile_inputs(ev: Tensor, start: int, stop: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """For absolute query positions [start, stop) of one (sequence, KV head) with evict_at `ev` [T]: the keys
+    some row still sees (indices [nc]) and the additive mask [stop - start, nc] (0 visible, -inf hidden)."""
+    T = ev.shape[0]
+    pos = torch.arange(T, device=ev.device)
+    cols = ((pos < stop) & (ev > start)).nonzero().flatten()
+    q_pos = torch.arange(start, stop, device=ev.device).view(-1, 1)
+    visible = (cols.view(1, -1) <= q_pos) & (ev[cols].view(1, -1) > q_pos)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=ev.device).masked_fill_(~visible, float("-inf"))
+    return cols, mask
+
+
+def _tiles(Q: int, first: int, tile_rows: int) -> list[tuple[int, int]]:
+    """Query-row tiles [a, b) (relative to the query rows) after the causal rows [0, first)."""
+    return [(a, min(a + tile_rows, Q)) for a in range(first, Q, tile_rows)]
+
+
+def _group_rows(x: Tensor, i: int, heads: slice, a: int, b: int) -> Tensor:
+    """Rows [a, b) of the query heads `heads` of sequence i, the heads stacked as rows: [1, 1, G * t, D]."""
+    return x[i, heads, a:b].reshape(1, 1, -1, x.shape[-1])
+
+
+class _TiledShadow(torch.autograd.Function):
+    """query [B, Hq, Q, D] (absolute rows [offset, offset + Q)), key / value [B, H, T, D], evict_at [B, H, T]
+    -> out [B, Hq, Q, D] for the tiled rows [first, Q) (rows before `first` are left zero: the caller runs them
+    causally)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, ev, offset: int, first: int, scale: float, tile_rows: int):
+        B, Hq, Q, D = query.shape
+        H = key.shape[1]
+        G = Hq // H
+        out = torch.zeros_like(query)
+        lse = torch.zeros(B, Hq, Q, dtype=torch.float32, device=query.device)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        with torch.no_grad():
+            for a, b in _tiles(Q, first, tile_rows):
+                t = b - a
+                for i in range(B):
+                    for h in range(H):
+                        cols, mask = _tile_inputs(ev[i, h], offset + a, offset + b, query.dtype)
+                        q = _group_rows(query, i, slice(h * G, (h + 1) * G), a, b)
+                        k, v = key[i, h, cols].unsqueeze(0).unsqueeze(0), value[i, h, cols].unsqueeze(0).unsqueeze(0)
+                        m = mask.unsqueeze(0).expand(G, t, -1).reshape(1, 1, G * t, -1)
+                        o, log_sum_exp = flash(q, k, v, 0.0, False, attn_mask=m, scale=scale)
+                        out[i, h * G:(h + 1) * G, a:b] = o.view(G, t, D)
+                        lse[i, h * G:(h + 1) * G, a:b] = log_sum_exp.view(G, t)
+        ctx.save_for_backward(query, key, value, ev, out, lse)
+        ctx.offset, ctx.first, ctx.scale, ctx.tile_rows = offset, first, scale, tile_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, ev, out, lse = ctx.saved_tensors
+        offset, first, scale, tile_rows = ctx.offset, ctx.first, ctx.scale, ctx.tile_rows
+        B, Hq, Q, D = query.shape
+        H = key.shape[1]
+        G = Hq // H
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(query)
+        dk = torch.zeros_like(key)
+        dv = torch.zeros_like(value)
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        for a, b in _tiles(Q, first, tile_rows):
+            t = b - a
+            for i in range(B):
+                for h in range(H):
+                    cols, mask = _tile_inputs(ev[i, h], offset + a, offset + b, query.dtype)
+                    heads = slice(h * G, (h + 1) * G)
+                    k, v = key[i, h, cols].unsqueeze(0).unsqueeze(0), value[i, h, cols].unsqueeze(0).unsqueeze(0)
+                    m = mask.unsqueeze(0).expand(G, t, -1).reshape(1, 1, G * t, -1)
+                    gq, gk, gv = flash_backward(_group_rows(grad_out, i, heads, a, b), _group_rows(query, i, heads, a, b),
+                                                k, v, _group_rows(out, i, heads, a, b),
+                                                lse[i, heads, a:b].reshape(1, 1, G * t), 0.0, False,
+                                                attn_mask=m, scale=scale)
+                    dq[i, heads, a:b] = gq.view(G, t, D)
+                    dk[i, h].index_add_(0, cols, gk.view(-1, D))
+                    dv[i, h].index_add_(0, cols, gv.view(-1, D))
+        return dq, dk, dv, None, None, None, None, None
+
+
+def tiled_shadow_attention(query: Tensor, key: Tensor, value: Tensor, evict_at_layer: Tensor, scaling: float,
+                           tile_rows: int = DEFAULT_TILE_ROWS) -> Tensor:
+    """Shadow-masked attention of query [B, Hq, Q, D] — the last Q positions of the T keys (Q = T for a full
+    forward, Q < T for rows continuing a cached prefix) — against key / value [B, H_kv, T, D], with
+    evict_at_layer [B, H_kv, T] -> [B, Hq, Q, D]."""
+    B, Hq, Q, D = query.shape
+    T = key.shape[2]
+    if evict_at_layer.shape != (B, key.shape[1], T):
+        raise ValueError(f"evict_at {tuple(evict_at_layer.shape)} does not cover the batch {B} x {T} tokens")
+    offset = T - Q
+    ev = evict_at_layer.to(torch.int64)
+    # Rows before the first eviction see their whole causal prefix; from a cached prefix (offset > 0) they
+    # would need the prefix keys too, so there every row is tiled.
+    first = min(int(ev.min()), Q) if offset == 0 else 0
+    out = _TiledShadow.apply(query, key, value, ev, offset, first, scaling, tile_rows)
+    if first == 0:
+        return out
+    causal = F.scaled_dot_product_attention(query[:, :, :first], key[:, :, :first], value[:, :, :first],
+                                            is_causal=True, scale=scaling, enable_gqa=Hq != key.shape[1])
+    return torch.cat([causal, out[:, :, first:]], dim=2)

@@ -1,0 +1,92 @@
+"""The tiled shadow attention (stages/learner/tiled_backend.py): values and gradients equal the SDPA reference
+(an explicit [B, H, T, T] visibility mask) for every eviction policy's masks, right-padded batches, GQA and MHA,
+full forwards and rows continuing a cached prefix, any tile size; and through the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from schemas.masks import visibility
+from stages.learner.shadow_attention import pad_evict_at, response_logits
+from stages.learner.tiled_backend import tiled_shadow_attention
+from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
+from tests.test_shadow_attention_flex import _model_batch
+
+TOL = 1e-5
+
+
+def _evict_at(policy: str, lengths: list[int], prompts: list[int], H: int, seed: int) -> torch.Tensor:
+    """[B, H, T] evict_at of one layer for right-padded rows of `lengths` (synthetic schedules of `policy`)."""
+    rng = np.random.default_rng(seed)
+    cfg = eviction_config(policy, 0.5, sinks=2, window=4)
+    rows = [torch.from_numpy(synthetic_evict_at(policy, T, P, 1, H, cfg, rng).astype(np.int64))
+            for T, P in zip(lengths, prompts)]
+    return pad_evict_at(rows, max(lengths))[0]
+
+
+def _reference(q, k, v, ev, scale):
+    """SDPA with the explicit mask: query rows are the last Q positions."""
+    T, Q = k.shape[2], q.shape[2]
+    mask = visibility(ev)[:, :, T - Q:].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _out_and_grads(fn, q, k, v, grad):
+    for x in (q, k, v):
+        x.grad = None
+    out = fn()
+    out.backward(grad)
+    return out.detach(), [x.grad.clone() for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "recent", "random", "dense"])
+@pytest.mark.parametrize(("heads", "suffix", "tile"), [((4, 2), 0, 7), ((4, 2), 23, 256), ((2, 2), 0, 1)])
+def test_tiled_equals_sdpa_forward_and_backward(policy, heads, suffix, tile):
+    Hq, H = heads
+    lengths, prompts = [61, 40, 53], [30, 18, 25]
+    ev = _evict_at(policy, lengths, prompts, H, seed=len(policy))
+    B, T, D = len(lengths), max(lengths), 8
+    Q = T - suffix  # suffix > 0: the query rows continue a cached prefix of `suffix` positions
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Hq, Q, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, H, T, D, generator=g, requires_grad=True) for _ in range(2))
+    grad = torch.randn(B, Hq, Q, D, generator=g)
+    ref, ref_grads = _out_and_grads(lambda: _reference(q, k, v, ev, D**-0.5), q, k, v, grad)
+    out, grads = _out_and_grads(lambda: tiled_shadow_attention(q, k, v, ev, D**-0.5, tile), q, k, v, grad)
+    assert float((out - ref).abs().max()) <= TOL
+    for got, want in zip(grads, ref_grads):
+        assert float((got - want).abs().max()) <= TOL
+
+
+def test_tiled_rows_before_the_first_eviction_run_causally():
+    """A dense schedule (nothing evicted) never reaches the tiles: the whole forward is plain causal attention."""
+    ev = _evict_at("dense", [20], [10], 2, seed=0)
+    assert int(ev.min()) == 20  # never evicted: evict_at = T
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(3))
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(tiled_shadow_attention(q, k, v, ev, 8**-0.5), causal)
+
+
+def test_tiled_refuses_masks_of_another_batch():
+    ev = _evict_at("snapkv", [20, 18], [10, 9], 2, seed=0)
+    q, k, v = torch.zeros(1, 2, 20, 8), torch.zeros(1, 2, 20, 8), torch.zeros(1, 2, 20, 8)
+    with pytest.raises(ValueError, match=r"evict_at \(2, 2, 20\) does not cover the batch 1 x 20 tokens"):
+        tiled_shadow_attention(q, k, v, ev, 8**-0.5)
+
+
+def test_model_logits_and_gradients_tiled_equal_sdpa(tmp_path):
+    model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
+    results = {}
+    for backend in ("sdpa", "tiled"):
+        model.zero_grad()
+        sel, targets, valid = response_logits(model, ids, evict_at, prompts, resp, backend)
+        logp = torch.log_softmax(sel, -1).gather(-1, targets.unsqueeze(-1))[..., 0]
+        logp[valid].sum().backward()
+        results[backend] = (sel.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert (results["tiled"][0] - results["sdpa"][0]).abs().max().item() <= TOL
+    for name, g in results["sdpa"][1].items():
+        assert (results["tiled"][1][name] - g).abs().max().item() <= TOL * max(1.0, g.abs().max().item()), name
