@@ -78,7 +78,7 @@ class _ChunkedScores(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, teacher, temperature: float, chunk: int):
         N, V = hidden.shape[0], weight.shape[0]
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
-        kl, entropy, teacher_logp, lse = (torch.zeros_like(logp) for _ in range(4))
+        kl, entropy, teacher_logp, lse, teacher_lse = (torch.zeros_like(logp) for _ in range(5))
         rows = min(chunk, max(N, 1))
         buf_q, buf_p = (torch.empty(rows, V, dtype=torch.float32, device=hidden.device) for _ in range(2))
         with torch.no_grad():
@@ -90,18 +90,20 @@ class _ChunkedScores(torch.autograd.Function):
                 q = torch.exp(log_q, out=buf_p[: b - a])
                 entropy[a:b] = -_rowdot(q, log_q)
                 if teacher is not None:  # two buffers in all: log q is overwritten by log p - log q
-                    log_p, _ = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias, temperature))
+                    log_p, teacher_lse[a:b] = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias,
+                                                                         temperature))
                     teacher_logp[a:b] = log_p.gather(-1, tgt).squeeze(-1)
-                    log_ratio = log_q.neg_().add_(log_p)
+                    log_ratio = torch.sub(log_p, log_q, out=log_q)
                     # sum_v p (log p - log q); log-probs of finite logits are finite, so p = 0 adds exactly 0
                     kl[a:b] = _rowdot(log_p.exp_(), log_ratio)
-        ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse)
+        # the log-sum-exps let the backward rebuild q and p from the logits alone (no second reduction)
+        ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse, teacher_lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy, teacher_logp)
         return logp, kl, entropy, teacher_logp
     @staticmethod
     def backward(ctx, g_logp, g_kl, _g_entropy, _g_teacher):
-        hidden, weight, bias, targets, teacher, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, teacher, lse, teacher_lse = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         N, V = hidden.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -129,8 +131,8 @@ class _ChunkedScores(torch.autograd.Function):
                 grad_z = q.mul_(coef.unsqueeze(-1))
                 grad_z.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp_t[a:b].unsqueeze(-1))
                 if use_kl:
-                    p, _ = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias, T))
-                    grad_z.sub_(p.exp_().mul_(g_kl_t[a:b].unsqueeze(-1)))
+                    p = _logits_into(buf_p, teacher[a:b], weight, bias, T).sub_(teacher_lse[a:b].unsqueeze(-1)).exp_()
+                    grad_z.addcmul_(p, g_kl_t[a:b].unsqueeze(-1), value=-1.0)
                 if need_h:
                     g = grad_z if weight.dtype == torch.float32 else grad_z.to(weight.dtype)
                     d_hidden[a:b] = g @ weight
