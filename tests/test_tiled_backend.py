@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from schemas.errors import SmdInputError
 from schemas.masks import visibility
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.learner.tiled_backend import tiled_shadow_attention
@@ -76,6 +77,13 @@ def test_tiled_refuses_masks_of_another_batch():
     q, k, v = torch.zeros(1, 2, 20, 8), torch.zeros(1, 2, 20, 8), torch.zeros(1, 2, 20, 8)
     with pytest.raises(ValueError, match=r"evict_at \(2, 2, 20\) does not cover the batch 1 x 20 tokens"):
         tiled_shadow_attention(q, k, v, ev, 8**-0.5)
+
+
+def test_tiled_refuses_a_non_cpu_device():
+    q = torch.zeros(1, 2, 4, 8, device="meta")
+    with pytest.raises(SmdInputError, match=r"learner.attention_backend: tiled runs PyTorch's CPU flash-attention "
+                                            r"kernel; on meta use flex"):
+        tiled_shadow_attention(q, q, q, torch.zeros(1, 2, 4, dtype=torch.int64), 8**-0.5)
 
 
 def test_model_logits_and_gradients_tiled_equal_sdpa(tmp_path):

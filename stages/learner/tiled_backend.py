@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from schemas.errors import SmdInputError
+
 DEFAULT_TILE_ROWS = 256
 
 
@@ -117,6 +119,9 @@ def tiled_shadow_attention(query: Tensor, key: Tensor, value: Tensor, evict_at_l
     evict_at_layer [B, H_kv, T] -> [B, Hq, Q, D]."""
     B, Hq, Q, D = query.shape
     T = key.shape[2]
+    if query.device.type != "cpu":
+        raise SmdInputError(f"learner.attention_backend: tiled runs PyTorch's CPU flash-attention kernel; on "
+                            f"{query.device.type} use flex")
     if evict_at_layer.shape != (B, key.shape[1], T):
         raise ValueError(f"evict_at {tuple(evict_at_layer.shape)} does not cover the batch {B} x {T} tokens")
     offset = T - Q
