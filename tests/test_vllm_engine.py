@@ -185,7 +185,7 @@ def test_chain_runs_vllm_stages_in_their_own_process(stage_setup):
     assert json.loads((base / "evaluate" / "details.json").read_text())["config"]["evaluate"]["engine"] == "vllm"
 
 
-def test_vllm_rollout_does_not_load_the_hf_model(vllm, stage_setup, monkeypatch):
+def test_vllm_rollout_does_not_load_the_hf_model(stage_setup, monkeypatch):
     from stages.rollout import stage
 
     root, model_dir, prompts, out = stage_setup

@@ -47,6 +47,12 @@ def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    return replay_shadow_mask(module, query, key, value, scaling, kwargs)
+
+
+def replay_shadow_mask(module, query, key, value, scaling, kwargs):
+    """The shadow-masked attention of the query rows [T_k - T_q, T_k) (all rows in a full forward, the rows after a
+    cached prefix otherwise) on the backend `smd_backend` names; returns transformers' (output, weights)."""
     evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
     backend = kwargs.get("smd_backend", "sdpa")
     layer = module.layer_idx
@@ -61,7 +67,8 @@ def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
         out = tiled_shadow_attention(query, key, value, evict_at[layer], scaling)
     else:
-        mask = shadow_mask(evict_at[layer]).repeat_interleave(groups, dim=1)
+        offset = key.shape[2] - query.shape[2]
+        mask = shadow_mask(evict_at[layer])[:, :, offset:].repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
 
@@ -176,24 +183,7 @@ SHADOW_SUFFIX_ATTENTION = "smd_shadow_suffix"
 
 def shadow_suffix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """`smd_shadow` for the query rows [T_k - T_q, T_k) of a forward that continues a cached prefix."""
-    evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
-    backend = kwargs.get("smd_backend", "sdpa")
-    layer = module.layer_idx
-    groups = query.shape[1] // key.shape[1]
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    offset = key.shape[2] - query.shape[2]
-    if backend == "flex":
-        from stages.learner.flex_backend import flex_shadow_attention
-
-        out = flex_shadow_attention(query, key, value, evict_at[layer], scaling, kwargs.get("smd_block_masks"), layer)
-    elif backend == "tiled":
-        from stages.learner.tiled_backend import tiled_shadow_attention
-
-        out = tiled_shadow_attention(query, key, value, evict_at[layer], scaling)
-    else:
-        mask = shadow_mask(evict_at[layer])[:, :, offset:].repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
-    return out.transpose(1, 2).contiguous(), None
+    return replay_shadow_mask(module, query, key, value, scaling, kwargs)
 
 
 AttentionInterface.register(SHADOW_SUFFIX_ATTENTION, shadow_suffix_attention)

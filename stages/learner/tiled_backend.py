@@ -22,6 +22,8 @@ Values and gradients equal the `sdpa` reference backend's to float rounding (tes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,21 +33,28 @@ from schemas.errors import SmdInputError
 DEFAULT_TILE_ROWS = 256
 
 
-def _tile_inputs(ev: Tensor, start: int, stop: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """For absolute query positions [start, stop) of one (sequence, KV head) with evict_at `ev` [T]: the keys
-    some row still sees (indices [nc]) and the additive mask [stop - start, nc] (0 visible, -inf hidden)."""
-    T = ev.shape[0]
+def _tile_steps(key: Tensor, value: Tensor, ev: Tensor, offset: int, first: int, tile_rows: int, groups: int,
+                dtype: torch.dtype) -> Iterator[tuple[int, slice, int, int, Tensor, Tensor, Tensor, Tensor]]:
+    """Every step of the tiled pass, in the same order for forward and backward: per tile [a, b) of the query
+    rows after the causal rows [0, first) (absolute positions offset + a ...) and per (sequence i, KV head h),
+    (i, the query heads of h, a, b, the keys some row still sees (indices cols), their keys and values
+    [1, 1, nc, D], the additive mask [1, 1, groups * (b - a), nc] (0 visible, -inf hidden; the group's heads
+    stacked as rows))."""
+    B, H, T = ev.shape
     pos = torch.arange(T, device=ev.device)
-    cols = ((pos < stop) & (ev > start)).nonzero().flatten()
-    q_pos = torch.arange(start, stop, device=ev.device).view(-1, 1)
-    visible = (cols.view(1, -1) <= q_pos) & (ev[cols].view(1, -1) > q_pos)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=ev.device).masked_fill_(~visible, float("-inf"))
-    return cols, mask
-
-
-def _tiles(Q: int, first: int, tile_rows: int) -> list[tuple[int, int]]:
-    """Query-row tiles [a, b) (relative to the query rows) after the causal rows [0, first)."""
-    return [(a, min(a + tile_rows, Q)) for a in range(first, Q, tile_rows)]
+    for a in range(first, key.shape[2] - offset, tile_rows):
+        b = min(a + tile_rows, key.shape[2] - offset)
+        start, stop = offset + a, offset + b
+        q_pos = pos[start:stop].view(-1, 1)
+        for i in range(B):
+            for h in range(H):
+                e = ev[i, h]
+                cols = ((pos < stop) & (e > start)).nonzero().flatten()
+                visible = (cols.view(1, -1) <= q_pos) & (e[cols].view(1, -1) > q_pos)
+                mask = torch.zeros(visible.shape, dtype=dtype, device=ev.device).masked_fill_(~visible, float("-inf"))
+                mask = mask.unsqueeze(0).expand(groups, -1, -1).reshape(1, 1, groups * (b - a), -1)
+                yield (i, slice(h * groups, (h + 1) * groups), a, b, cols, key[i, h, cols][None, None],
+                       value[i, h, cols][None, None], mask)
 
 
 def _group_rows(x: Tensor, i: int, heads: slice, a: int, b: int) -> Tensor:
@@ -61,23 +70,17 @@ class _TiledShadow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, ev, offset: int, first: int, scale: float, tile_rows: int):
         B, Hq, Q, D = query.shape
-        H = key.shape[1]
-        G = Hq // H
+        groups = Hq // key.shape[1]
         out = torch.zeros_like(query)
         lse = torch.zeros(B, Hq, Q, dtype=torch.float32, device=query.device)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         with torch.no_grad():
-            for a, b in _tiles(Q, first, tile_rows):
-                t = b - a
-                for i in range(B):
-                    for h in range(H):
-                        cols, mask = _tile_inputs(ev[i, h], offset + a, offset + b, query.dtype)
-                        q = _group_rows(query, i, slice(h * G, (h + 1) * G), a, b)
-                        k, v = key[i, h, cols].unsqueeze(0).unsqueeze(0), value[i, h, cols].unsqueeze(0).unsqueeze(0)
-                        m = mask.unsqueeze(0).expand(G, t, -1).reshape(1, 1, G * t, -1)
-                        o, log_sum_exp = flash(q, k, v, 0.0, False, attn_mask=m, scale=scale)
-                        out[i, h * G:(h + 1) * G, a:b] = o.view(G, t, D)
-                        lse[i, h * G:(h + 1) * G, a:b] = log_sum_exp.view(G, t)
+            for i, heads, a, b, _, k, v, mask in _tile_steps(key, value, ev, offset, first, tile_rows, groups,
+                                                             query.dtype):
+                o, log_sum_exp = flash(_group_rows(query, i, heads, a, b), k, v, 0.0, False, attn_mask=mask,
+                                       scale=scale)
+                out[i, heads, a:b] = o.view(groups, b - a, D)
+                lse[i, heads, a:b] = log_sum_exp.view(groups, b - a)
         ctx.save_for_backward(query, key, value, ev, out, lse)
         ctx.offset, ctx.first, ctx.scale, ctx.tile_rows = offset, first, scale, tile_rows
         return out
@@ -85,30 +88,22 @@ class _TiledShadow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, ev, out, lse = ctx.saved_tensors
-        offset, first, scale, tile_rows = ctx.offset, ctx.first, ctx.scale, ctx.tile_rows
         B, Hq, Q, D = query.shape
-        H = key.shape[1]
-        G = Hq // H
+        groups = Hq // key.shape[1]
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(query)
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
         flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        for a, b in _tiles(Q, first, tile_rows):
-            t = b - a
-            for i in range(B):
-                for h in range(H):
-                    cols, mask = _tile_inputs(ev[i, h], offset + a, offset + b, query.dtype)
-                    heads = slice(h * G, (h + 1) * G)
-                    k, v = key[i, h, cols].unsqueeze(0).unsqueeze(0), value[i, h, cols].unsqueeze(0).unsqueeze(0)
-                    m = mask.unsqueeze(0).expand(G, t, -1).reshape(1, 1, G * t, -1)
-                    gq, gk, gv = flash_backward(_group_rows(grad_out, i, heads, a, b), _group_rows(query, i, heads, a, b),
-                                                k, v, _group_rows(out, i, heads, a, b),
-                                                lse[i, heads, a:b].reshape(1, 1, G * t), 0.0, False,
-                                                attn_mask=m, scale=scale)
-                    dq[i, heads, a:b] = gq.view(G, t, D)
-                    dk[i, h].index_add_(0, cols, gk.view(-1, D))
-                    dv[i, h].index_add_(0, cols, gv.view(-1, D))
+        for i, heads, a, b, cols, k, v, mask in _tile_steps(key, value, ev, ctx.offset, ctx.first, ctx.tile_rows,
+                                                            groups, query.dtype):
+            gq, gk, gv = flash_backward(_group_rows(grad_out, i, heads, a, b), _group_rows(query, i, heads, a, b), k, v,
+                                        _group_rows(out, i, heads, a, b), lse[i, heads, a:b].reshape(1, 1, -1), 0.0,
+                                        False, attn_mask=mask, scale=ctx.scale)
+            dq[i, heads, a:b] = gq.view(groups, b - a, D)
+            h = heads.start // groups
+            dk[i, h].index_add_(0, cols, gk.view(-1, D))
+            dv[i, h].index_add_(0, cols, gv.view(-1, D))
         return dq, dk, dv, None, None, None, None, None
 
 
