@@ -90,3 +90,33 @@ def write_prompt_splits(data: Path) -> Path:
                  "reference": "cat 12"} for i, ids in enumerate(random_prompts([20, 26, 23], seed=seed))]
         write_table(rows, data / f"{split}.arrow", "prompts")
     return data
+
+
+def float_bound(dtype: torch.dtype, reduction_size: int, scale: float) -> float:
+    """The largest difference two evaluations of the same floating-point sum may show: a derived bound, not a
+    guess. Why: the order of a reduction's additions is not fixed. Chunking (the learner's lm-head chunks),
+    another SIMD kernel (MKL/oneDNN dispatch by `ATEN_CPU_CAPABILITY`, and by vendor: AMD and Intel take
+    different paths) or another thread count all reorder it, so a fixed 1e-6 on float32 holds on one machine
+    and fails on the next.
+
+    Recursive summation of n terms satisfies |fl(s) - s| <= gamma_n * sum |x_i| with gamma_n = n u / (1 - n u)
+    and u = eps / 2 (Higham, Accuracy and Stability of Numerical Algorithms, §4.2); any summation order
+    (pairwise, blocked, SIMD lanes) obeys it. Two evaluations in different orders thus differ by at most
+    2 gamma_n sum |x_i| ~= n * eps * scale, where `scale` bounds sum |x_i| / n (the magnitude of the terms, or of
+    the result where the terms do not cancel) and `reduction_size` is the number of terms; for a value that
+    passes through a chain of reductions (a dot product, then a log-sum-exp, then a backward matmul) pass the
+    sum of the chain's lengths: the first-order errors of well-conditioned steps add.
+
+    The bound is worst-case; real differences are ~sqrt(n) smaller, and a bug (a dropped chunk, a wrong mask)
+    shows as an error of order `scale` itself, far above it. Check the algorithm itself in float64, where the
+    same bound is ~1e-13 x scale."""
+    eps = torch.finfo(dtype).eps
+    n = max(1, int(reduction_size))
+    if n * eps >= 1.0:
+        raise ValueError(f"float_bound: {n} terms exceed the first-order bound for {dtype}")
+    return n * eps * float(scale) / (1.0 - n * eps / 2)
+
+
+def float32_bound(reduction_size: int, scale: float) -> float:
+    """`float_bound` for float32 (eps 1.19e-7): the allowance for a float32 result computed in two orders."""
+    return float_bound(torch.float32, reduction_size, scale)

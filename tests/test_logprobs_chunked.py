@@ -1,6 +1,8 @@
 """Chunked response scoring (issue 16, item 1): log-probs, dense-teacher KL and entropy through the lm head in
-token chunks equal the full-logits computation in values and gradients (1e-6), for the head alone and for the
-learner's whole smd loss through the model (shared-prefix teacher split)."""
+token chunks equal the full-logits computation in values and gradients, for the head alone and for the
+learner's whole smd loss through the model (shared-prefix teacher split). Both paths run in float32 and chunking
+reorders their reductions, so they agree to `tests.helpers.float32_bound` of the reduction chain, not to a fixed
+constant (issue 24: a fixed 1e-6 failed on AMD EPYC, where MKL takes other kernels)."""
 
 from __future__ import annotations
 
@@ -25,14 +27,18 @@ from stages.learner.shadow_attention import (
 )
 from stages.model import load_policy
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir
-
-TOL = 1e-6
+from tests.helpers import float32_bound, make_model_dir
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    """max |a - b| <= tol x max(1, max |b|): float32 rounding scales with the magnitude."""
-    return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+def _close(a: torch.Tensor, b: torch.Tensor, reduction_size: int) -> bool:
+    """max |a - b| within the float32 bound of a `reduction_size`-long reduction chain at b's magnitude (>= 1)."""
+    return float((a - b).abs().max()) <= float32_bound(reduction_size, max(1.0, float(b.abs().max())))
+
+
+def _head_chain(hidden_size: int, vocab: int) -> int:
+    """Reduction lengths a score or gradient passes through in the head: the logit dot product (+ bias), the
+    log-sum-exp and the KL's sum over the vocabulary, and the backward matmul over the vocabulary."""
+    return hidden_size + 1 + 3 * vocab
 
 
 def _head_case(seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32):
@@ -60,10 +66,11 @@ def _grads(loss, params):
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 def test_chunked_scores_equal_full_logits_values_and_gradients(chunk):
-    """Values and gradients equal the [B, R, V]-logits computation to 1e-6 (relative to their scale: logits of
-    magnitude ~10 here; the model-level test below holds 1e-6 absolute)."""
-    tol = TOL
+    """Values and gradients equal the [B, R, V]-logits computation within float32's bound for the head's
+    reductions (logits of magnitude ~10 here; the weight gradient also sums over the B x R tokens)."""
     head, hidden, teacher, targets, valid, w_logp, w_kl = _head_case()
+    (B, R, D), V = hidden.shape, head.weight.shape[0]
+    chain = _head_chain(D, V)
     T = 0.8
     params = [hidden, head.weight, head.bias]
     # today's path: [B, R, V] logits
@@ -80,11 +87,11 @@ def test_chunked_scores_equal_full_logits_values_and_gradients(chunk):
                                teacher_hidden=teacher)
     for name, ref in (("logp", ref_logp), ("kl", ref_kl), ("entropy", ref_ent), ("teacher_logp", ref_tlogp)):
         assert out[name].shape == ref.shape and out[name].dtype == torch.float32
-        assert _close(out[name].detach().double(), ref.double(), tol), name
+        assert _close(out[name].detach().double(), ref.double(), chain), name
     assert not out["entropy"].requires_grad and not out["teacher_logp"].requires_grad
     got_g = _grads((w_logp * out["logp"] + w_kl * out["kl"]).sum(), params)
     for name, a, b in zip(("hidden", "weight", "bias"), ref_g, got_g):
-        assert a.dtype == b.dtype and _close(b, a, tol), name
+        assert a.dtype == b.dtype and _close(b, a, chain + (0 if name == "hidden" else B * R)), name
     assert float(got_g[0][2].abs().max()) == 0.0  # invalid positions get no gradient
 
 
@@ -94,9 +101,10 @@ def test_chunked_scores_without_teacher_and_head_without_bias():
     ref_g = _grads((w_logp * ref_logp).sum(), [hidden, head.weight])
     out = chunked_token_scores(hidden, head, targets, valid, chunk_tokens=3)
     assert set(out) == {"logp", "entropy"}
-    assert float((out["logp"] - ref_logp).abs().max()) <= TOL
+    (B, R, D), V = hidden.shape, head.weight.shape[0]
+    assert _close(out["logp"], ref_logp, _head_chain(D, V))
     for a, b in zip(ref_g, _grads((w_logp * out["logp"]).sum(), [hidden, head.weight])):
-        assert float((a - b).abs().max()) <= TOL
+        assert _close(b, a, _head_chain(D, V) + B * R)
 
 
 def test_chunked_scores_bad_input_one_line():
@@ -133,6 +141,11 @@ def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
     adv = group_advantages(torch.tensor([1.0, 0.0, 2.0]), group_size=3)
     kw = dict(advantages=adv, rollout_logp=rollout, kl_lambda=0.1, temperature=0.8)
     params = [p for p in model.parameters() if p.requires_grad]
+    # the head's chain, then the backward through every layer (attention over T keys and head_dim, the
+    # projections and the MLP) and the weight gradients' sum over the B x T tokens
+    cfg = model.config
+    layer = cfg.head_dim + 2 * T + 3 * cfg.hidden_size + cfg.intermediate_size
+    chain = _head_chain(cfg.hidden_size, cfg.vocab_size) + 2 * cfg.num_hidden_layers * layer + 3 * T
 
     sel, dsel, targets, valid = response_logits_with_teacher(model, ids, evict_at, prompt_lens, resp_lens)
     logp = token_logprobs(sel, targets, 0.8).masked_fill(~valid, 0.0)
@@ -145,10 +158,11 @@ def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
     scores = chunked_token_scores(hidden, lm_head_of(model), targets2, valid2, temperature=0.8, chunk_tokens=5,
                                   teacher_hidden=teacher)
     loss, terms = objective_loss("smd", mask=valid2, masked_logp=scores["logp"], kl_per_token=scores["kl"], **kw)
-    assert abs(float(loss) - float(ref_loss)) <= TOL and abs(terms["kl_dense"] - ref_terms["kl_dense"]) <= TOL
+    assert _close(loss, ref_loss, chain) and _close(torch.tensor(terms["kl_dense"]), torch.tensor(ref_terms["kl_dense"]),
+                                                    chain)
     assert ref_terms["kl_dense"] > 0
     for p, a, b in zip(params, ref_g, torch.autograd.grad(loss, params)):
-        assert float((a - b).abs().max()) <= TOL, p.shape
+        assert _close(b, a, chain), p.shape
     # the dense learner's path (no teacher): response logits vs chunked scores
     dense_sel, t3, v3 = response_logits(model, ids, None, prompt_lens, resp_lens)
     ref_dense = token_logprobs(dense_sel, t3, 0.8).masked_fill(~v3, 0.0)
@@ -156,4 +170,4 @@ def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
 
     h3, _, _ = response_hidden(model, ids, None, prompt_lens, resp_lens)
     got = chunked_token_scores(h3, lm_head_of(model), t3, v3, temperature=0.8, chunk_tokens=7)["logp"]
-    assert float((got - ref_dense).abs().max()) <= TOL
+    assert _close(got, ref_dense, _head_chain(cfg.hidden_size, cfg.vocab_size))
