@@ -7,6 +7,10 @@
   the number after the last `####`, else the last number in the text). score = 1.0 or 0.0.
 - `kv_retrieval`: fraction of the queried values answered correctly, position by position (a dense
   signal for RL); exact match = every value right and no extra value.
+- `pointer_chasing`: fraction of the reference's hops (units between ";", e.g. "fox to owl") that the
+  response gives at the same position, words compared exactly (a wrong hop usually derails the hops
+  after it, which then miss too; extra hops past the reference cost nothing); exact match = the same
+  hops and no extra one.
 - `hotpotqa`: token F1 after SQuAD normalization (lowercase, drop punctuation and articles);
   exact match = normalized strings equal.
 - `tldr`, `govreport`: ROUGE-L F-measure (rouge-score, Porter stemmer); exact match = normalized
@@ -34,6 +38,7 @@ METRICS = {
     "var_tracking": "numeric_exact_match",
     "arithmetic": "numeric_exact_match",
     "gsm8k": "numeric_exact_match",
+    "pointer_chasing": "unit_fraction",
     "hotpotqa": "token_f1",
     "tldr": "rougeL_f",
     "govreport": "rougeL_f",
@@ -148,6 +153,20 @@ def kv_fraction(prediction: str, reference: str) -> float:
     return sum(1 for r, p in zip(ref, pred, strict=False) if r == p) / len(ref)
 
 
+def answer_units(text: str) -> list[str]:
+    """The ";"-separated units of an answer, each with its whitespace collapsed (empty units dropped)."""
+    return [unit for unit in (" ".join(part.split()) for part in text.split(";")) if unit]
+
+
+def unit_fraction(prediction: str, reference: str) -> float:
+    """Fraction of reference units that the prediction gives at the same position."""
+    ref = answer_units(reference)
+    if not ref:
+        return 0.0
+    pred = answer_units(prediction)
+    return sum(1 for r, p in zip(ref, pred, strict=False) if r == p) / len(ref)
+
+
 def score(task: str, response_text: str, reference: str) -> float:
     """Reward in [0, 1] of `response_text` against `reference` for `task`."""
     metric = _check_task(task)
@@ -155,6 +174,8 @@ def score(task: str, response_text: str, reference: str) -> float:
         return float(exact_match(task, response_text, reference))
     if metric == "kv_fraction":
         return kv_fraction(response_text, reference)
+    if metric == "unit_fraction":
+        return unit_fraction(response_text, reference)
     if metric == "token_f1":
         return token_f1(response_text, reference)
     return rouge_l(response_text, reference)
@@ -169,4 +190,7 @@ def exact_match(task: str, response_text: str, reference: str) -> bool:
     if metric == "kv_fraction":
         ref = numbers_in(reference)
         return bool(ref) and numbers_in(response_text) == ref
+    if metric == "unit_fraction":
+        ref = answer_units(reference)
+        return bool(ref) and answer_units(response_text) == ref
     return normalize_answer(response_text) == normalize_answer(reference)

@@ -1,6 +1,6 @@
 """`prepare:` section: which task, how much of it, and how hard.
 
-Synthetic tasks (`kv_retrieval`, `var_tracking`, `arithmetic`) are generated from the seed; dataset
+Synthetic tasks (`kv_retrieval`, `var_tracking`, `arithmetic`, `pointer_chasing`) are generated from the seed; dataset
 tasks (`gsm8k`, `hotpotqa`, `tldr`, `govreport`) are read from local files in their public formats
 (`train_file`, optional `eval_file`).
 """
@@ -11,12 +11,14 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SyntheticTask = Literal["kv_retrieval", "var_tracking", "arithmetic"]
+SyntheticTask = Literal["kv_retrieval", "var_tracking", "arithmetic", "pointer_chasing"]
 DatasetTask = Literal["gsm8k", "hotpotqa", "tldr", "govreport"]
 TaskName = Literal[SyntheticTask, DatasetTask]
 SYNTHETIC_TASKS: tuple[str, ...] = get_args(SyntheticTask)
 DATASET_TASKS: tuple[str, ...] = get_args(DatasetTask)
 TASKS: tuple[str, ...] = SYNTHETIC_TASKS + DATASET_TASKS
+# pointer_chasing's node words (stages.prepare.synthetic.POINTER_NODE_WORDS: animals and the places filler never uses).
+POINTER_NODES = 40
 
 
 class PrepareParams(BaseModel):
@@ -76,6 +78,21 @@ class PrepareParams(BaseModel):
         description="arithmetic: operations after the initial amount (one chain-of-thought step each).",
     )
     max_operand: int = Field(9, ge=1, le=999, description="arithmetic: largest initial amount and operand.")
+    # pointer_chasing
+    pointer_hops: int = Field(
+        13,
+        ge=1,
+        le=39,
+        description="pointer_chasing: hops of the asked path; the answer restates each hop's fact (`fox to owl`, "
+        "4 tokens with its separator), so 13 hops answer in 51 tokens.",
+    )
+    pointer_distractors: int = Field(
+        3,
+        ge=0,
+        le=38,
+        description="pointer_chasing: extra facts from nodes off the path (to any other node) that the path "
+        "never uses.",
+    )
     # dataset loaders
     train_file: str | None = Field(
         None,
@@ -119,6 +136,11 @@ class PrepareParams(BaseModel):
         ):
             raise ValueError(
                 f"num_pairs: {self.num_pairs} distinct values do not fit in {self.value_digits} digit(s)"
+            )
+        if self.task == "pointer_chasing" and self.pointer_hops + 1 + self.pointer_distractors > POINTER_NODES:
+            raise ValueError(
+                f"pointer_distractors: {self.pointer_hops} hops and {self.pointer_distractors} distractors need "
+                f"{self.pointer_hops + 1 + self.pointer_distractors} distinct node words; there are {POINTER_NODES}"
             )
         if self.task == "var_tracking" and self.num_chains * self.num_hops > 25:
             raise ValueError(

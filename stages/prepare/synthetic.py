@@ -13,6 +13,12 @@ sentences and distractors up to `context_tokens`, so a KV cache that evicts them
   "question : what is c ? answer :" -> "c = b = a = 5" (each hop, then the number).
 - arithmetic: GSM8K-like story with distractor facts; "question : how many apples does tom have now ?
   answer :" -> "5 + 3 = 8 . 8 - 2 = 6 . #### 6".
+- pointer_chasing: facts "fox to owl ." (each node has at most one outgoing fact) in shuffled order among
+  filler, `pointer_hops` of them forming the asked path and `pointer_distractors` leaving nodes off it;
+  "query : from fox . answer :" -> "fox to owl ; owl to bee ; bee to moon" (the whole path hop by hop,
+  each hop restating the fact it follows, so the hop's source was written by the answer itself just
+  before and only its target needs the context). A long answer whose every hop depends on a fact that
+  eviction may have removed.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ PEOPLE = "tom ann bob eve sam kim lee max joe amy".split()
 HE_SHE = {"tom": "he", "bob": "he", "sam": "he", "lee": "he", "max": "he", "joe": "he",
           "ann": "she", "eve": "she", "kim": "she", "amy": "she"}  # fmt: skip
 ITEMS = "apples pens books coins cookies marbles eggs boxes".split()
+# Nodes never occur in filler sentences (FILLER_PLACES is PLACES[20:]), so "owl to" occurs only in owl's fact.
+POINTER_NODE_WORDS = ANIMALS + PLACES[:20]
 VAR_NAMES = [chr(c) for c in range(ord("b"), ord("z") + 1)]  # not "a": filler uses the article
 
 _TOKEN = re.compile(r"\d|[^\w\s]|[^\W\d_]+")
@@ -166,10 +174,24 @@ def arithmetic(rng: random.Random, p: PrepareParams, context_tokens: int) -> tup
     return prompt, " ".join([*steps, f"#### {amount}"])
 
 
+def pointer_chasing(rng: random.Random, p: PrepareParams, context_tokens: int) -> tuple[str, str]:
+    nodes = rng.sample(POINTER_NODE_WORDS, p.pointer_hops + 1 + p.pointer_distractors)
+    path, off_path = nodes[: p.pointer_hops + 1], nodes[p.pointer_hops + 1 :]
+    hops = [f"{a} to {b}" for a, b in zip(path, path[1:], strict=False)]
+    # A distractor may point into the path ("cat to owl ."), so a node's word alone does not find its fact:
+    # the match is on "owl to".
+    distractors = [f"{a} to {rng.choice([n for n in nodes if n != a])}" for a in off_path]
+    facts = [f"{fact} ." for fact in hops + distractors]
+    rng.shuffle(facts)  # not in path order: the answer cannot copy the context in sequence
+    prompt = spread(rng, "track each key .", facts, f"query : from {path[0]} . {ANSWER_CUE}", context_tokens)
+    return prompt, " ; ".join(hops)
+
+
 GENERATORS: dict[str, Callable[[random.Random, PrepareParams, int], tuple[str, str]]] = {
     "kv_retrieval": kv_retrieval,
     "var_tracking": var_tracking,
     "arithmetic": arithmetic,
+    "pointer_chasing": pointer_chasing,
 }
 
 
