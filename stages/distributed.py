@@ -1,9 +1,11 @@
 """Data parallelism over processes (shared by rollout, evaluate and the learner): torch.distributed.
 
 One process by default. Under the `deepspeed` launcher (or `torchrun`), RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR / MASTER_PORT come from the environment and every process runs the same command; the process
-group is gloo on CPU, NCCL on CUDA (the learner), gloo for rollout and evaluation (their tensors live on
-the CPU; only Python objects and barriers cross the group). No process pool or job queue of our own.
+MASTER_ADDR / MASTER_PORT come from the environment and every process runs the same command. Every stage's
+device follows one rule (`model.device`, `stages.model.resolve_device`: auto = the local rank's GPU when CUDA is
+available, else the CPU), and the process group follows the device: gloo on CPU, NCCL on CUDA (rollout and
+evaluation exchange only Python objects and barriers, NCCL carries those through the process's own GPU). No
+process pool or job queue of our own.
 
 Work is split in whole batches: batch b goes to process b mod N (`my_batches`), and a sampling batch is
 seeded from the run seed, the iteration and b (`batch_seed`), so what a batch samples does not depend on
@@ -30,6 +32,8 @@ import torch.distributed as dist
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError, SmdRankError
+from stages.model import local_rank as launcher_local_rank
+from stages.model import resolve_device
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -58,13 +62,11 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(backend: str | None = None) -> DistContext:
+def init_distributed(backend: str | None = None, device: str = "auto") -> DistContext:
     """Join (or create) the process group: the launcher's env when present, else a one-process group.
 
-    `backend` defaults to nccl on CUDA, gloo otherwise."""
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
-    backend = backend or ("nccl" if cuda else "gloo")
+    `device` is `model.device` (resolved for this process's local rank by `stages.model.resolve_device`);
+    `backend` defaults to nccl when that is a GPU, gloo otherwise."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -72,6 +74,12 @@ def init_distributed(backend: str | None = None) -> DistContext:
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    where = resolve_device(device, local_rank)
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if where.type == "cuda" else "cpu")
+    if where.type == "cuda":
+        torch.cuda.set_device(where)  # before NCCL starts: its communicator binds to the current GPU
+    backend = backend or ("nccl" if where.type == "cuda" else "gloo")
+    if not (dist.is_available() and dist.is_initialized()):
         # A one-process group needs no agreed address: always take a fresh local port (a MASTER_PORT
         # inherited from a parent process may still be bound by it).
         own_port = world == 1
@@ -89,21 +97,18 @@ def init_distributed(backend: str | None = None) -> DistContext:
                 # Another process took the free port between probing and binding: pick another.
                 if not own_port or attempt == 7:
                     raise
-    use_cuda = cuda and backend == "nccl"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    return DistContext(rank=rank, world=world, local_rank=local_rank, device=device)
+    return DistContext(rank=rank, world=world, local_rank=local_rank, device=where)
 
 
-def worker_context() -> DistContext:
-    """The context of a data-parallel CPU stage (rollout, evaluate): a gloo group only when launched with
-    several processes. Each process then runs `cpu_count // local processes` torch threads (at least 1)
-    unless OMP_NUM_THREADS says otherwise, so N processes on one machine do not oversubscribe its cores."""
+def worker_context(device: str = "auto") -> DistContext:
+    """The context of a data-parallel stage (rollout, evaluate) on `device` (`model.device`, resolved for the local
+    rank): a process group only when launched with several processes (gloo on CPU, NCCL on CUDA). On the CPU each
+    process then runs `cpu_count // local processes` torch threads (at least 1) unless OMP_NUM_THREADS says
+    otherwise, so N processes on one machine do not oversubscribe its cores."""
     if launched_world() <= 1 and not (dist.is_available() and dist.is_initialized()):
-        return DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
-    ctx = init_distributed(backend="gloo")
-    if ctx.world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        return DistContext(rank=0, world=1, local_rank=0, device=resolve_device(device, launcher_local_rank()))
+    ctx = init_distributed(device=device)
+    if ctx.world > 1 and ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or ctx.world)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return ctx

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from schemas.atomic import atomic_path, is_foreign_dir
 from schemas.errors import SmdInputError
-from schemas.params.model import ModelParams, TinyModelParams
+from schemas.params.model import DEVICE_CHOICES, DEVICE_PATTERN, ModelParams, TinyModelParams
 from stages.vocab import bpe_training_corpus, tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
@@ -195,8 +197,66 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa"):
-    """Load a causal LM from a Hugging Face directory; one clear line if it is missing or unloadable."""
+def local_rank() -> int:
+    """This process's rank on its node (LOCAL_RANK from the deepspeed launcher or torchrun; 0 when not launched)."""
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def resolve_device(spec: str = "auto", rank: int | None = None) -> torch.device:
+    """The one device rule of every stage (`model.device`, docs/design.md "Devices").
+
+    `auto`: cuda:<local rank> when CUDA is available, else the CPU; `cuda`: cuda:<local rank> (each process of
+    the launcher takes its own GPU); `cuda:N`: that GPU; `cpu`: the CPU. `rank` defaults to LOCAL_RANK. A value
+    that is not a device, or a GPU this machine does not have, is one line naming model.device."""
+    if not isinstance(spec, str) or not DEVICE_PATTERN.fullmatch(spec):
+        raise SmdInputError(f"model.device: {spec!r} is not a device; expected {DEVICE_CHOICES}")
+    rank = local_rank() if rank is None else rank
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SmdInputError(f"model.device: {spec}: CUDA is not available here (torch {torch.__version__}); "
+                            "use auto or cpu")
+    index = int(spec.split(":")[1]) if ":" in spec else rank
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise SmdInputError(f"model.device: {spec}: cuda:{index} does not exist ({count} CUDA device(s) visible)")
+    return torch.device("cuda", index)
+
+
+def configure_precision(device: torch.device | str, dtype: torch.dtype) -> None:
+    """TF32 off for a float32 model on CUDA: the parity invariant (rollout log-probs = learner log-probs within
+    1e-5) is float32's, and TF32 matmuls (10-bit mantissa) would break it. Process-wide torch flags (cuBLAS and
+    cuDNN; inductor's FlexAttention kernels read the matmul flag too); nothing changes on the CPU or for bf16."""
+    if torch.device(device).type != "cuda" or dtype != torch.float32:
+        return
+    with warnings.catch_warnings():  # torch >= 2.9 announces a newer API; the legacy flags work on 2.11-2.14
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def place_model(model, device: torch.device | str):
+    """Move `model` to `device` (a `resolve_device` result) and set the precision flags its dtype needs there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels, NCCL and CUDA generators default to this process's GPU
+    model.to(device)
+    configure_precision(device, next(model.parameters()).dtype)
+    return model
+
+
+def model_device(model) -> torch.device:
+    """The device a model's weights live on: where every tensor of a forward over it must be created."""
+    return next(model.parameters()).device
+
+
+def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
+                device: torch.device | str = "cpu"):
+    """Load a causal LM from a Hugging Face directory onto `device` (stages pass
+    `resolve_device(params.model.device)`); one clear line if it is missing or unloadable."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
@@ -210,7 +270,7 @@ def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: s
         if not torch.isfinite(param).all():
             raise SmdInputError(f"{path}: {name}: non-finite weights (damaged checkpoint?)")
     model.eval()
-    return model
+    return place_model(model, device)
 
 
 @contextlib.contextmanager
@@ -274,17 +334,17 @@ def reference_nll_batch(model, tokenizer, prompts: list[list[int]], references: 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     seqs = [(list(p), response_ids(tokenizer, r)) for p, r in zip(prompts, references, strict=True)]
     T = max(len(p) + len(r) for p, r in seqs)
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    # Built on the host, copied to the model's device once per batch.
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(seqs), T, dtype=torch.long, device="cpu")
+    targets = torch.zeros(len(seqs), T, dtype=torch.long, device="cpu")
     for b, (p, r) in enumerate(seqs):
-        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r, device="cpu")
         mask[b, : len(p) + len(r)] = 1
-    device = next(model.parameters()).device
+        targets[b, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(r, device="cpu")
+    device = model_device(model)
     with torch.no_grad():
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    logp = torch.log_softmax(logits.float(), -1)
-    out = []
-    for b, (p, r) in enumerate(seqs):
-        pos = torch.arange(len(p) - 1, len(p) + len(r) - 1, device=logp.device)
-        out.append(-float(logp[b, pos, torch.tensor(r, device=logp.device)].sum()))
-    return out
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
+    picked = logp.cpu()  # one host copy per batch
+    return [-float(picked[b, len(p) - 1: len(p) + len(r) - 1].sum()) for b, (p, r) in enumerate(seqs)]

@@ -16,7 +16,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AdvantageScale = Literal["std", "none"]
 RefKlKind = Literal["k1", "k2", "k3"]
 TisLevel = Literal["token", "sequence"]
-AttentionBackend = Literal["sdpa", "flex", "tiled"]
+AttentionBackend = Literal["auto", "sdpa", "flex", "tiled"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
@@ -172,8 +172,9 @@ class LearnerParams(BaseModel):
         "`deepspeed` launcher).",
     )
     attention_backend: AttentionBackend = Field(
-        "sdpa",
-        description=f"Shadow attention backend, one of {ATTENTION_BACKENDS}: sdpa = reference, an explicit "
+        "auto",
+        description=f"Shadow attention backend, one of {ATTENTION_BACKENDS}: auto = flex on CUDA, sdpa on the CPU "
+        "(the model's device, model.device; `backend_for`); sdpa = reference, an explicit "
         "[B, H, T, T] boolean mask per layer (short sequences); flex = FlexAttention with a block mask built "
         "from evict_at (no T x T mask; compiled on first use; for long contexts on CUDA); tiled = query tiles "
         "through PyTorch's fused CPU flash-attention kernel over the keys each head still sees (no T x T mask, "
@@ -219,6 +220,14 @@ class LearnerParams(BaseModel):
         None, ge=0, description="Learner seed (mini-batch shuffling, RNG); None = derive from the global seed."
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0 = leave torch's default).")
+
+    def backend_for(self, device_type: str) -> str:
+        """The shadow-attention backend that runs on a device of `device_type` ("cpu", "cuda"): `attention_backend`,
+        or for `auto` flex on CUDA (FlexAttention's compiled forward and backward) and sdpa elsewhere (the reference;
+        on the CPU PyTorch has no FlexAttention backward)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "flex" if device_type == "cuda" else "sdpa"
 
     def parity_tol_for(self, dtype: str) -> float:
         """The parity gate for a model of `dtype` (model.dtype): `parity_tol`, or the dtype's default."""

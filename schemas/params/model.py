@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# `model.device` values: auto, cpu, cuda, cuda:N (docs/design.md, "Devices"; resolved by stages.model.resolve_device).
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_CHOICES = "auto | cpu | cuda | cuda:N"
 
 
 class TinyModelParams(BaseModel):
@@ -46,4 +51,19 @@ class ModelParams(BaseModel):
         "default here; point it at any causal-LM directory (e.g. Qwen3-4B-Instruct-2507) to use that instead.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    device: str = Field(
+        "auto",
+        description=f"Where every stage runs the policy ({DEVICE_CHOICES}): warm start, rollout, evaluate, learn, "
+        "the reference NLL. auto = the local rank's GPU (cuda:LOCAL_RANK, so each process of the deepspeed launcher "
+        "takes its own) when CUDA is available, else the CPU; cuda = cuda:LOCAL_RANK; cuda:N = that GPU; cpu = the "
+        "CPU even when a GPU is present. A float32 policy on CUDA runs with TF32 off (the parity invariant is "
+        "float32's).",
+    )
     tiny: TinyModelParams = TinyModelParams()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not isinstance(value, str) or not DEVICE_PATTERN.fullmatch(value):
+            raise ValueError(f"{value!r} is not a device; expected {DEVICE_CHOICES}")
+        return value

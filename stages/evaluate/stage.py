@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -139,8 +140,8 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
     """
     cfg = params.evaluate
     eval_prompts_path, out_dir = Path(eval_prompts_path), Path(out_dir)
-    ctx = worker_context()
-    inputs, error = attempt(lambda: _inputs(params, policy_path, eval_prompts_path))
+    ctx = worker_context(params.model.device)  # model.device for this local rank (gloo on CPU, NCCL on CUDA)
+    inputs, error = attempt(lambda: _inputs(params, policy_path, eval_prompts_path, ctx.device))
     agree(ctx, None, error)  # bad input: one line from rank 0 (every process reads the same files)
     prompts, model, tokenizer = inputs
     decode_batches = length_batches(prompts, cfg.batch_size)
@@ -228,7 +229,7 @@ def vllm_engine(params: Params, policy_path: str | Path, prompts: list[dict[str,
                       params.evaluate.batch_size, params.seed)
 
 
-def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path):
+def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path, device: torch.device | str = "cpu"):
     """(prompts, model, tokenizer) after checking the prompts' tasks and lengths."""
     cfg = params.evaluate
     prompts = read_table(eval_prompts_path, "prompts").to_pylist()
@@ -236,7 +237,7 @@ def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path):
         prompts = prompts[: cfg.num_prompts]
     for p in prompts:
         rewards.metric_name(p["task"])  # unknown task -> one line naming it, before any decoding
-    model = load_policy(policy_path, params.model.dtype)
+    model = load_policy(policy_path, params.model.dtype, device=device)
     tokenizer = load_tokenizer(policy_path)
     longest = max(prompts, key=lambda p: len(p["prompt_token_ids"]))
     n = len(longest["prompt_token_ids"])

@@ -180,13 +180,14 @@ def build_micro_batch(data: LearnerData, rows: list[int], masked: bool, backend:
     """Right-padded tensors of `rows` (rollout order inside); evict_at (and block masks) when `masked`."""
     seqs = [list(data.prompt_ids[r]) + list(data.response_ids[r]) for r in rows]
     T = max(map(len, seqs))
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    # Built on the host (explicit device: never torch's default device), copied to `device` once per micro-batch.
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long, device="cpu")
     for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     resp_lens = [len(data.response_ids[r]) for r in rows]
     R = max(max(resp_lens), 1)
-    rollout = torch.zeros(len(rows), R, dtype=torch.float32)
-    valid = torch.zeros(len(rows), R, dtype=torch.bool)
+    rollout = torch.zeros(len(rows), R, dtype=torch.float32, device="cpu")
+    valid = torch.zeros(len(rows), R, dtype=torch.bool, device="cpu")
     for b, r in enumerate(rows):
         n = resp_lens[b]
         rollout[b, :n] = torch.from_numpy(data.rollout_logprobs[r])

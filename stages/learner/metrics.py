@@ -86,7 +86,7 @@ def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c
         return dict(NEUTRAL)
     with torch.no_grad():
         d_full = torch.where(
-            valid, learner_logp.double() - rollout_logp.double(), torch.zeros((), dtype=torch.float64)
+            valid, learner_logp.double() - rollout_logp.double(), torch.zeros((), dtype=torch.float64, device=valid.device)
         )
         d = d_full[valid]
         ratio = torch.exp(d)

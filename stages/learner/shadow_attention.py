@@ -27,12 +27,16 @@ from stages.model import attention_implementation
 SHADOW_ATTENTION = "smd_shadow"
 
 
-def pad_evict_at(rows: list[torch.Tensor], T: int) -> torch.Tensor:
-    """Stack per-row evict_at [T_i, L, H] into [L, B, H, T]; padding key k gets k+1 (seen only by itself)."""
+def pad_evict_at(rows: list[torch.Tensor], T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Stack per-row evict_at [T_i, L, H] into [L, B, H, T]; padding key k gets k+1 (seen only by itself).
+    Built on `device` (default: the first row's, the host for rows read from a mask store)."""
     L, H = rows[0].shape[1:]
-    out = (torch.arange(T, dtype=torch.int64) + 1).view(1, 1, 1, T).repeat(L, len(rows), H, 1)
+    if device is None:  # (torch.as_tensor would follow torch's default device, not the rows')
+        device = rows[0].device if isinstance(rows[0], torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    out = (torch.arange(T, dtype=torch.int64, device=device) + 1).view(1, 1, 1, T).repeat(L, len(rows), H, 1)
     for b, r in enumerate(rows):
-        out[:, b, :, : r.shape[0]] = torch.as_tensor(r, dtype=torch.int64).permute(1, 2, 0)
+        out[:, b, :, : r.shape[0]] = torch.as_tensor(r, dtype=torch.int64, device=device).permute(1, 2, 0)
     return out
 
 
@@ -76,14 +80,16 @@ def replay_shadow_mask(module, query, key, value, scaling, kwargs):
 AttentionInterface.register(SHADOW_ATTENTION, shadow_attention)
 
 
-def response_index(prompt_lens: list[int], resp_lens: list[int], offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [B, R_max] whose logits predict each response token (P_b - 1 + t, minus `offset`), and validity."""
+def response_index(prompt_lens: list[int], resp_lens: list[int], offset: int = 0,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, R_max] whose logits predict each response token (P_b - 1 + t, minus `offset`), and validity,
+    on `device`: built from the host-side lengths without a loop of small copies."""
     B, R = len(prompt_lens), max(max(resp_lens), 1)
-    idx = torch.zeros(B, R, dtype=torch.long)
-    valid = torch.zeros(B, R, dtype=torch.bool)
-    for b in range(B):
-        idx[b, : resp_lens[b]] = torch.arange(resp_lens[b]) + prompt_lens[b] - 1 - offset
-        valid[b, : resp_lens[b]] = True
+    t = torch.arange(R, dtype=torch.long, device=device).view(1, R)
+    start = torch.tensor([p - 1 - offset for p in prompt_lens], dtype=torch.long, device=device).view(B, 1)
+    n = torch.tensor(resp_lens, dtype=torch.long, device=device).view(B, 1)
+    valid = t < n
+    idx = torch.where(valid, start + t, torch.zeros((), dtype=torch.long, device=device))
     return idx, valid
 
 
@@ -170,8 +176,7 @@ def gather_response(logits: tuple[torch.Tensor, ...], input_ids: torch.Tensor, p
     """From logits kept from position `start` on ([B, T - start, V] each), the response positions
     ([B, R_max, V] each), the tokens they predict [B, R_max] and which are valid [B, R_max]."""
     T = input_ids.shape[1]
-    idx, valid = response_index(prompt_lens, resp_lens, offset=start)
-    idx, valid = idx.to(input_ids.device), valid.to(input_ids.device)
+    idx, valid = response_index(prompt_lens, resp_lens, offset=start, device=input_ids.device)
     targets = torch.gather(input_ids, 1, (idx + start + 1).clamp(max=T - 1))
     index = idx.unsqueeze(-1).expand(-1, -1, logits[0].shape[-1])
     return tuple(torch.gather(x, 1, index) for x in logits), targets, valid

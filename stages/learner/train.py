@@ -78,7 +78,7 @@ from stages.learner.shadow_attention import (
     response_hidden,
     response_hidden_with_teacher,
 )
-from stages.model import check_positions, load_policy, load_tokenizer
+from stages.model import check_positions, load_policy, load_tokenizer, place_model
 
 MASKED_OBJECTIVES = ("smd", "shadow")
 
@@ -137,9 +137,10 @@ def score_rows(model, data: LearnerData, rows: list[int], *, masked: bool, tempe
 
 def _padded(rows: list[int], values: dict[int, np.ndarray], data: LearnerData) -> tuple[torch.Tensor, ...]:
     R = max(max((len(data.response_ids[r]) for r in rows), default=1), 1)
-    learner = torch.zeros(len(rows), R, dtype=torch.float64)
-    rollout = torch.zeros(len(rows), R, dtype=torch.float64)
-    mask = torch.zeros(len(rows), R, dtype=torch.bool)
+    # host tensors: the mismatch metrics run on the host copies (one per batch), never on the model's device
+    learner = torch.zeros(len(rows), R, dtype=torch.float64, device="cpu")
+    rollout = torch.zeros(len(rows), R, dtype=torch.float64, device="cpu")
+    mask = torch.zeros(len(rows), R, dtype=torch.bool, device="cpu")
     for i, r in enumerate(rows):
         n = len(data.response_ids[r])
         learner[i, :n] = torch.from_numpy(values[r].astype(np.float64))
@@ -224,7 +225,7 @@ def row_weights(data: LearnerData, cfg: LearnerParams, old: dict[int, np.ndarray
             if n:
                 k, w = sparse_rl_weight_sums(torch.from_numpy(old[r]).unsqueeze(0),
                                              torch.from_numpy(data.rollout_logprobs[r]).unsqueeze(0),
-                                             torch.ones(1, n, dtype=torch.bool), **rules)
+                                             torch.ones(1, n, dtype=torch.bool, device="cpu"), **rules)
                 kept[r], weight_sum[r] = float(k[0]), float(w[0])
     denom = kept if loss_agg_for(cfg) == "token_mean" else (kept > 0).astype(np.float64)
     return RowWeights(tokens=tokens, kept=kept, weight_sum=weight_sum, denom=denom)
@@ -400,11 +401,13 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     check_positions(model.config, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
     ref_model = load_policy(cfg.reference_path, params.model.dtype) if cfg.ref_kl_coef > 0 else None
 
-    ctx = init_distributed()
+    ctx = init_distributed(device=params.model.device)  # model.device for this local rank; gloo on CPU, NCCL on CUDA
+    # `auto` resolved for the device it runs on (flex on CUDA, sdpa on the CPU); the record names what ran
+    cfg = cfg.model_copy(update={"attention_backend": cfg.backend_for(ctx.device.type)})
     torch.manual_seed(seed * 1_000_003 + iteration)
     np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
     random.seed(seed * 1_000_003 + iteration)  # every RNG the trainer state saves: reruns are byte-identical
-    model.to(ctx.device)
+    place_model(model, ctx.device)  # TF32 off for a float32 model on CUDA (the parity invariant)
     model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
     if cfg.gradient_checkpointing:
         enable_layer_checkpointing(model)
@@ -436,7 +439,7 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     parity = batch_mismatch(all_rows, old, data, cfg.tis_cap)
     ref = None
     if run.ref_model is not None:
-        run.ref_model.to(ctx.device)
+        place_model(run.ref_model, ctx.device)
         ref = _gather_dict(score_rows(run.ref_model, data, my_rows, **score), ctx)
         run.ref_model = None
     parity["learner/parity_seconds"] = time.perf_counter() - t0
@@ -580,10 +583,11 @@ def learn(
 
 
 def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch) -> torch.Tensor:
-    out = torch.zeros_like(mb.rollout_logp)
+    # built on the host, one copy to the micro-batch's device
+    out = torch.zeros(mb.rollout_logp.shape, dtype=mb.rollout_logp.dtype, device="cpu")
     for b, r in enumerate(rows):
-        out[b, : mb.resp_lens[b]] = torch.from_numpy(values[r]).to(out)
-    return out
+        out[b, : mb.resp_lens[b]] = torch.from_numpy(values[r]).to(out.dtype)
+    return out.to(mb.rollout_logp.device)
 
 
 # Headline of metrics.json (DVC metrics); details.json beside it holds the whole record.

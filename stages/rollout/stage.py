@@ -69,8 +69,8 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     on every process (one line naming the rank) and nothing is written.
     """
     cfg = params.rollout
-    ctx = worker_context()
-    inputs, error = attempt(lambda: _inputs(params, iteration, policy_path, prompts_path))
+    ctx = worker_context(params.model.device)  # model.device for this local rank (gloo on CPU, NCCL on CUDA)
+    inputs, error = attempt(lambda: _inputs(params, iteration, policy_path, prompts_path, ctx.device))
     agree(ctx, None, error)  # bad input: one line from rank 0 (every process reads the same files)
     prompts, model, model_config, tokenizer, jobs = inputs
     batches = [jobs[s: s + cfg.batch_size] for s in range(0, len(jobs), cfg.batch_size)]
@@ -125,7 +125,8 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     }
 
 
-def _inputs(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path):
+def _inputs(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path,
+            device: torch.device | str = "cpu"):
     """(prompts, model, model config, tokenizer, jobs) of an iteration, after checking that the prompts fit the
     model. With `engine: vllm` vLLM loads the weights: the model is None and only its config is read."""
     cfg = params.rollout
@@ -133,7 +134,7 @@ def _inputs(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     if cfg.engine == "vllm":
         model, model_config = None, load_policy_config(policy_path)
     else:
-        model = load_policy(policy_path, params.model.dtype)
+        model = load_policy(policy_path, params.model.dtype, device=device)
         model_config = model.config
     tokenizer = load_tokenizer(policy_path)
     picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration,

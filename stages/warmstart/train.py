@@ -24,24 +24,34 @@ from schemas.params.model import ModelParams
 from schemas.params.warmstart import WarmstartParams
 from schemas.rewards import exact_match, metric_name, score
 from schemas.tables import read_table
-from stages.model import check_positions, load_policy, load_tokenizer, reference_nll, response_ids
+from stages.model import (
+    check_positions,
+    load_policy,
+    load_tokenizer,
+    model_device,
+    reference_nll,
+    resolve_device,
+    response_ids,
+)
 
 HEADLINE = ("exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes")
 
 
-def _batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input ids, attention mask and per-position targets (-100 outside the response)."""
+def _batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+           device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and per-position targets (-100 outside the response), built on the
+    host and copied to `device` (the model's) once per batch."""
     seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device="cpu")
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long, device="cpu")
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n = len(p) + len(r)
-        ids[i, :n] = torch.tensor(p + r)
+        ids[i, :n] = torch.tensor(p + r, device="cpu")
         mask[i, :n] = 1
-        labels[i, len(p) : n] = torch.tensor(r)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        labels[i, len(p) : n] = torch.tensor(r, device="cpu")
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
 def response_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -88,7 +98,7 @@ class CurriculumSampler:
 
     def batch(self, step: int) -> list[int]:
         pool = self.admitted(step)
-        picks = torch.randperm(pool, generator=self.gen)[: self.batch_size].tolist()
+        picks = torch.randperm(pool, generator=self.gen, device="cpu")[: self.batch_size].tolist()
         return [self.order[i] for i in picks]
 
 
@@ -111,21 +121,22 @@ def greedy_eval(
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         width = max(len(r["prompt_token_ids"]) for r in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros((len(chunk), width), dtype=torch.long, device="cpu")
         for i, r in enumerate(chunk):
             p = r["prompt_token_ids"]
-            ids[i, width - len(p) :] = torch.tensor(p)
+            ids[i, width - len(p) :] = torch.tensor(p, device="cpu")
             mask[i, width - len(p) :] = 1
+        device = model_device(model)
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        for r, seq in zip(chunk, out[:, width:].tolist(), strict=True):
+        for r, seq in zip(chunk, out[:, width:].tolist(), strict=True):  # one host copy per batch
             text = tokenizer.decode(seq, skip_special_tokens=True)
             ok = exact_match(r["task"], text, r["reference"])
             hits += ok
@@ -160,7 +171,7 @@ def run_warmstart(
     train = read_table(data_dir / "train.arrow", "prompts").to_pylist()
     evaluation = read_table(data_dir / "eval.arrow", "prompts").to_pylist()
     tokenizer = load_tokenizer(model_cfg.init_path)
-    model = load_policy(model_cfg.init_path, dtype=model_cfg.dtype)
+    model = load_policy(model_cfg.init_path, dtype=model_cfg.dtype, device=resolve_device(model_cfg.device))
     examples = Examples.build(train, tokenizer, cfg, model, data_dir / "train.arrow")
     started = time.monotonic()
     log = train_loop(model, tokenizer, examples, cfg, seed)
@@ -171,7 +182,8 @@ def run_warmstart(
                                             [r["reference"] for r in evaluation], cfg.eval_batch_size)
     metrics = warmstart_metrics(train[0]["task"], result, log, len(examples.check), cfg.log_every, started,
                                 eval_started)
-    config = {"warmstart": cfg.model_dump(), "model": {"init_path": model_cfg.init_path, "dtype": model_cfg.dtype},
+    config = {"warmstart": cfg.model_dump(), "model": {"init_path": model_cfg.init_path, "dtype": model_cfg.dtype,
+                                                        "device": str(model_device(model))},
               "seed": seed, "data": str(data_dir)}
     return write_warmstart(Path(out_dir), model, tokenizer, metrics, config)
 
@@ -216,7 +228,7 @@ def train_loop(model, tokenizer, examples: Examples, cfg: WarmstartParams, seed:
     """AdamW on the response loss with a length curriculum; stop at `steps`, `max_minutes`, or when the check
     rows reach `target_exact_match` (checked every `check_every` steps)."""
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # batch picks on the host, whatever the model's device
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay
     )
@@ -237,7 +249,8 @@ def train_loop(model, tokenizer, examples: Examples, cfg: WarmstartParams, seed:
             log.stop_reason = "max_minutes"
             break
         idx = sampler.batch(step)
-        batch = _batch([examples.prompts[i] for i in idx], [examples.responses[i] for i in idx], tokenizer.pad_token_id)
+        batch = _batch([examples.prompts[i] for i in idx], [examples.responses[i] for i in idx], tokenizer.pad_token_id,
+                       model_device(model))
         log.losses.append(train_step(model, optimizer, batch, _lr_at(step, cfg), cfg.max_grad_norm))
         log.steps = step + 1
         if log.steps % cfg.log_every == 0 or log.steps == cfg.steps:
