@@ -8,6 +8,12 @@ How it plugs into transformers:
   computes the attention probabilities a policy asks for, lets the policy score the slots, and evicts
   right after the layer's attention ran: a step's visible set is the cache content when it runs.
 - Every eviction writes `evict_at[layer, seq, head, pos] = query_pos + 1` (docs/design.md §4).
+
+Devices (docs/design.md, Devices): every tensor lives on the model's device. The budget schedule of the batch
+is computed on the host before it runs (`stages.kvcache.schedule`); the decode loop keeps tokens, log-probs
+and stop flags as device tensors and syncs with the host only for its stop check, every
+`stop_check_every` steps (the extra steps after every sequence stopped are masked out, so the results do
+not depend on it); the host copies the trajectories and `evict_at` once, at the end of the batch.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from schemas.masks import budget, visible_counts
+from schemas.masks import visible_counts
 from schemas.params.rollout import EvictionParams
 from stages.kvcache.policies import EvictionPolicy, LayerSlots, evict, make_policy
+from stages.kvcache.schedule import BudgetSchedule, budget_schedule
 from stages.model import attention_implementation
 
 ROLLOUT_ATTENTION = "smd_rollout"
@@ -37,27 +44,47 @@ class RolloutState:
     policy: EvictionPolicy
     eviction: dict[str, Any]
     num_layers: int
-    capacity: int
-    prompt_lens: torch.Tensor  # [B]
-    evict_at: torch.Tensor  # [L, B, H, T_max] int32, -1 = never evicted
+    schedule: BudgetSchedule  # host: keep counts and excess per step, computed before the batch runs
+    prompt_lens: torch.Tensor  # [B] on the device
+    prompt_lens_host: np.ndarray  # [B] the same on the host
+    evict_at: torch.Tensor  # [L, B, H, T_max] int32 on the device, -1 = never evicted
     phase: str = "prefill"
-    prefill_mask: torch.Tensor | None = None  # [B, 1, P, P]
+    # Left padding of each prompt [B] (device), and whether any prompt is padded (host): an unpadded prefill
+    # runs SDPA causal with no mask (the fused kernels), a padded one with the explicit mask.
+    prompt_pad: torch.Tensor | None = None
+    padded: bool = False
     current_pos: torch.Tensor | None = None  # [B] position of the query being decoded
+    seq_length: int = 0  # host: cached positions of the longest row (what transformers asks of the cache)
     slots: list[LayerSlots | None] = field(default_factory=list)
-    step_keep: torch.Tensor | None = None  # keep_after() for the current decoding step, computed once
-    step_window: torch.Tensor | None = None  # the policy's recent window for step_keep, computed once
-    # Most keys any sequence is over its keep count this step (0: no layer evicts; 1 in decoding), decided
-    # once per step by generate_batch instead of by a tensor check in every layer.
+    step_keep: torch.Tensor | None = None  # the current decoding step's keep count per sequence [B]
+    step_window: torch.Tensor | None = None  # the policy's recent window for step_keep [B]
+    # Most keys any sequence is over its keep count this step (0: no layer evicts; 1 in decoding), from the
+    # schedule on the host instead of a tensor check in every layer.
     step_excess: int = 0
 
-    def keep_after(self, n_seen: torch.Tensor) -> torch.Tensor:
-        """Keys that may stay cached so that the next query (n_seen + 1 tokens) sees <= budget."""
-        return torch.tensor([budget(int(n) + 1, self.eviction, int(p)) - 1
-                             for n, p in zip(n_seen.tolist(), self.prompt_lens.tolist(), strict=True)])
+    @property
+    def capacity(self) -> int:
+        return self.schedule.capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.prompt_lens.device
 
     @property
     def evicts_while_decoding(self) -> bool:
         return self.policy.evicts and self.eviction.get("compress", "every_step") == "every_step"
+
+    def prefill_mask(self, q_start: int, q_end: int, k_end: int) -> torch.Tensor:
+        """Bool mask [B or 1, 1, q_end - q_start, k_end] of prompt queries q_start..q_end over keys 0..k_end of
+        the left-padded batch: causal, padding keys hidden, padding queries see themselves (finite softmax)."""
+        q = torch.arange(q_start, q_end, device=self.device)
+        k = torch.arange(k_end, device=self.device)
+        causal = k[None, :] <= q[:, None]
+        if not self.padded:
+            return causal[None, None]
+        real_key = k[None, :] >= self.prompt_pad[:, None]  # [B, K]
+        mask = causal[None] & real_key[:, None, :]
+        return (mask | (k[None, :] == q[:, None])[None])[:, None]
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -93,8 +120,8 @@ class EvictingLayer(CacheLayerMixin):
         free = slots.slot_pos < 0
         slot_idx = free.to(torch.int8).argmax(dim=-1)  # first free slot per (b, h)
         B, H = slot_idx.shape
-        b_idx = torch.arange(B).repeat_interleave(H)
-        h_idx = torch.arange(H).repeat(B)
+        b_idx = torch.arange(B, device=slot_idx.device).repeat_interleave(H)
+        h_idx = torch.arange(H, device=slot_idx.device).repeat(B)
         s_idx = slot_idx.reshape(-1)
         self.keys[b_idx, h_idx, s_idx] = key_states[:, :, 0].reshape(B * H, -1)
         self.values[b_idx, h_idx, s_idx] = value_states[:, :, 0].reshape(B * H, -1)
@@ -112,7 +139,7 @@ class EvictingLayer(CacheLayerMixin):
         self.pending = None
 
     def get_seq_length(self) -> int:
-        return 0 if self.state.current_pos is None else int(self.state.current_pos.max()) + 1
+        return self.state.seq_length  # host-side: asking the device would sync every layer
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.state.capacity, 0
@@ -174,12 +201,12 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
     """Dense attention over the prompt; then the policy scores the prompt keys, the budget evicts, and the kept
     keys move into the layer's slots. Returns the attention output [B, Hq, P, D]."""
     out, attn_obs = _prefill_output(st, query, key, value, scaling)
-    slots = _prompt_slots(st.prompt_lens, key.shape[1], st.prefill_mask.shape[-1])
+    slots = _prompt_slots(st.prompt_pad, key.shape[1], key.shape[2])
     st.policy.observe_prefill(layer, slots, attn_obs)
     if st.policy.evicts:
-        keep = st.keep_after(st.prompt_lens)
+        keep = st.step_keep  # the prefill's keep counts (generate_batch sets them before the forward)
         evict(slots, st.policy.scores(layer, slots), keep, st.prompt_lens - 1, st.eviction["sinks"],
-              st.policy.recent_window(keep), st.evict_at[layer])
+              st.step_window, st.evict_at[layer])
     st.slots[layer], order = _front_slots(slots, st.capacity)
     cache.layers[layer].finish_prefill(order)
     return out
@@ -187,9 +214,7 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
 
 def _prefill_output(st: RolloutState, query, key, value, scaling: float):
     """The prompt's attention output, and the attention the policy observes (None, last-window or all queries)."""
-    mask = st.prefill_mask  # [B, 1, P, P]
-    B, _, P, _ = mask.shape
-    H = key.shape[1]
+    B, H, P, _ = key.shape
     need = st.policy.needs_attention
     if need == "all":
         # Output and column sums from one explicit pass, chunked over queries to bound memory.
@@ -198,23 +223,26 @@ def _prefill_output(st: RolloutState, query, key, value, scaling: float):
         for start in range(0, P, _PREFILL_CHUNK):
             end = min(start + _PREFILL_CHUNK, P)  # causal: keys beyond the chunk get no attention
             part_out, part = _attend_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
-                                             mask[:, :, start:end, :end], scaling, H, sum_queries=True)
+                                             st.prefill_mask(start, end, end), scaling, H, sum_queries=True)
             out[:, :, start:end] = part_out
             attn_obs[..., :end] += part
         return out, attn_obs
     groups = query.shape[1] // H
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    if st.padded:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=st.prefill_mask(0, P, P), scale=scaling,
+                                             enable_gqa=groups > 1)
+    else:  # no mask: SDPA may take its fused (flash / memory-efficient) kernels, as transformers' sdpa does
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=groups > 1)
     if need == "window":
         w = min(st.eviction["window"], P)
-        return out, _attend_grouped(query[:, :, -w:], key, None, mask[:, :, -w:], scaling, H)[1]
+        return out, _attend_grouped(query[:, :, -w:], key, None, st.prefill_mask(P - w, P, P), scaling, H)[1]
     return out, None
 
 
-def _prompt_slots(prompt_lens: torch.Tensor, num_kv_heads: int, P: int) -> LayerSlots:
+def _prompt_slots(prompt_pad: torch.Tensor, num_kv_heads: int, P: int) -> LayerSlots:
     """One slot per prompt position of the left-padded batch (-1 for padding), for every KV head."""
-    pad = P - prompt_lens
-    pos = torch.arange(P).unsqueeze(0) - pad.unsqueeze(1)  # [B, P]
-    slot_pos = pos.masked_fill(pos < 0, -1).unsqueeze(1).expand(len(prompt_lens), num_kv_heads, P).clone()
+    pos = torch.arange(P, device=prompt_pad.device).unsqueeze(0) - prompt_pad.unsqueeze(1)  # [B, P]
+    slot_pos = pos.masked_fill(pos < 0, -1).unsqueeze(1).expand(len(prompt_pad), num_kv_heads, P).clone()
     return LayerSlots(slot_pos=slot_pos)
 
 
@@ -227,7 +255,7 @@ def _front_slots(slots: LayerSlots, capacity: int) -> tuple[LayerSlots, torch.Te
     if order.shape[-1] < capacity:  # capacity larger than the prompt: pad with empty slots
         extra = capacity - order.shape[-1]
         order = torch.cat([order, order[..., :1].expand(-1, -1, extra)], dim=-1)
-        fill = torch.zeros(order.shape, dtype=torch.bool)
+        fill = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
         fill[..., -extra:] = True
     new_pos = torch.gather(slots.slot_pos, -1, order)
     if fill is not None:
@@ -306,6 +334,15 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
+def stop_check_interval(device: torch.device, requested: int = 0) -> int:
+    """Decoding steps between two stop checks (the loop's one host sync): `requested` when set, else 1 on the
+    CPU (a sync costs nothing there, an extra step does) and 8 on an accelerator (kernel launches queue
+    ahead instead of waiting for the host every token)."""
+    if requested > 0:
+        return requested
+    return 1 if device.type == "cpu" else 8
+
+
 @torch.no_grad()
 def generate_batch(
     model,
@@ -318,35 +355,61 @@ def generate_batch(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    stop_check_every: int = 0,
+    compile: bool = False,
 ) -> tuple[list[SampleResult], BatchStats]:
-    """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks."""
+    """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks.
+
+    Runs on the model's device. `generator` seeds the sampling; a generator on another device than the model's
+    is replaced by one on the model's device with the same seed. `stop_check_every`: decoding steps between
+    stop checks (0 = `stop_check_interval`'s default); the results do not depend on it. `compile`: run the
+    decoding step through `torch.compile` (CUDA graphs on a GPU; see `compiled_decode_step`).
+    """
     state = new_state(model, prompts, eviction, max_new_tokens)
     cache = EvictingCache(state)
     kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
+    generator = _on_device(generator, state.device)
     with attention_implementation(model, ROLLOUT_ATTENTION):
         logits = prefill(model, prompts, state, cache, pad_token_id, kwargs)
-        responses, logprobs, finish = decode(model, logits, state, cache, kwargs, max_new_tokens, eos_token_id,
-                                             pad_token_id, temperature, top_k, top_p, generator)
-    return sample_results(state, responses, logprobs, finish), batch_stats(model, state, cache, max_new_tokens,
-                                                                           responses)
+        step = compiled_decode_step(model) if compile else _decode_step
+        tokens, logprobs, lengths, stopped = decode(model, logits, state, cache, kwargs, max_new_tokens,
+                                                    eos_token_id, pad_token_id, temperature, top_k, top_p,
+                                                    generator, stop_check_interval(state.device, stop_check_every),
+                                                    step)
+    return sample_results(state, tokens, logprobs, lengths, stopped), batch_stats(model, state, cache,
+                                                                                  max_new_tokens, lengths)
+
+
+def _on_device(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    """The sampling generator on `device`: a CPU generator (what stages seed per batch) cannot drive sampling
+    on a GPU, so it is replaced by a generator there seeded with its initial seed."""
+    if generator is None or generator.device.type == device.type:
+        return generator
+    return torch.Generator(device=device).manual_seed(generator.initial_seed())
 
 
 def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int) -> RolloutState:
-    """The per-batch state: the policy, a cache capacity that fits the budget at the longest length, and
-    evict_at [L, B, H, P + max_new_tokens] all -1 (never evicted)."""
+    """The per-batch state on the model's device: the policy, the budget schedule (host) with a cache capacity
+    that fits the budget at the longest length, and evict_at [L, B, H, P + max_new_tokens] all -1."""
     cfg = model.config
+    device = next(model.parameters()).device
     num_layers = cfg.num_hidden_layers
     num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     ev = eviction.model_dump()
-    lens = torch.tensor([len(p) for p in prompts])
+    lens = np.array([len(p) for p in prompts], dtype=np.int64)
     T_max = int(lens.max()) + max_new_tokens
+    policy = make_policy(eviction, num_layers)
+    schedule = budget_schedule(lens, max_new_tokens, ev, policy.evicts,
+                               policy.evicts and ev.get("compress", "every_step") == "every_step")
+    policy.start_batch(len(prompts), num_kv, int(lens.max()), max_new_tokens, device)
     return RolloutState(
-        policy=make_policy(eviction, num_layers),
+        policy=policy,
         eviction=ev,
         num_layers=num_layers,
-        capacity=max(budget(int(n) + max_new_tokens, ev, int(n)) for n in lens.tolist()),
-        prompt_lens=lens,
-        evict_at=torch.full((num_layers, len(prompts), num_kv, T_max), -1, dtype=torch.int32),
+        schedule=schedule,
+        prompt_lens=torch.from_numpy(lens).to(device),
+        prompt_lens_host=lens,
+        evict_at=torch.full((num_layers, len(prompts), num_kv, T_max), -1, dtype=torch.int32, device=device),
         slots=[None] * num_layers,
     )
 
@@ -355,80 +418,107 @@ def prefill(model, prompts: list[list[int]], state: RolloutState, cache: Evictin
             kwargs: dict[str, Any]) -> torch.Tensor:
     """Run the left-padded prompts (dense causal attention, then the first eviction); return the logits
     [B, 1, V] of the first response token."""
-    lens = state.prompt_lens
-    P = int(lens.max())
-    input_ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
+    lens = [len(p) for p in prompts]
+    P = max(lens)
+    ids = np.full((len(prompts), P), pad_token_id, dtype=np.int64)  # built on the host, copied once
     for i, p in enumerate(prompts):
-        input_ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-    pos = torch.arange(P).unsqueeze(0) - (P - lens).unsqueeze(1)
-    causal = torch.ones(P, P, dtype=torch.bool).tril()
-    mask = causal.unsqueeze(0) & (pos >= 0).unsqueeze(1)
-    mask = mask | torch.eye(P, dtype=torch.bool).unsqueeze(0)  # padding queries see themselves (finite softmax)
-    state.prefill_mask = mask.unsqueeze(1)
-    out = model(input_ids=input_ids, position_ids=pos.clamp(min=0), past_key_values=cache, use_cache=True,
-                logits_to_keep=1, **kwargs)
+        ids[i, P - len(p):] = p
+    device = state.device
+    state.padded = min(lens) < P
+    state.prompt_pad = P - state.prompt_lens
+    state.seq_length = P
+    state.step_keep = torch.from_numpy(state.schedule.prefill_keep).to(device)
+    state.step_window = state.policy.recent_window(state.step_keep)
+    pos = torch.arange(P, device=device).unsqueeze(0) - state.prompt_pad.unsqueeze(1)
+    out = model(input_ids=torch.from_numpy(ids).to(device), position_ids=pos.clamp(min=0), past_key_values=cache,
+                use_cache=True, logits_to_keep=1, **kwargs)
     state.phase = "decode"
     return out.logits
 
 
+def _decode_step(model, feed: torch.Tensor, position_ids: torch.Tensor, cache: EvictingCache,
+                 kwargs: dict[str, Any]) -> torch.Tensor:
+    """One decoding forward: the token of every sequence at its position -> next-token logits [B, 1, V]."""
+    return model(input_ids=feed, position_ids=position_ids, past_key_values=cache, use_cache=True, **kwargs).logits
+
+
+_COMPILED_STEPS: dict[int, Any] = {}
+
+
+def compiled_decode_step(model):
+    """`_decode_step` through `torch.compile` (one compiled function per model object, reused across batches).
+
+    The step's shapes are static (the slot cache has a fixed capacity), so after a warm-up the same graph
+    runs every step: on a GPU, with `mode="reduce-overhead"`, as CUDA graphs. What varies per step (positions,
+    keep counts) enters as tensors; whether a step evicts (the schedule's excess, 0 or 1) selects one of two
+    graphs.
+    """
+    key = id(model)
+    if key not in _COMPILED_STEPS:
+        device = next(model.parameters()).device
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _COMPILED_STEPS[key] = torch.compile(_decode_step, mode=mode, dynamic=False)
+    return _COMPILED_STEPS[key]
+
+
 def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCache, kwargs: dict[str, Any],
            max_new_tokens: int, eos_token_id: int | None, pad_token_id: int, temperature: float, top_k: int,
-           top_p: float, generator: torch.Generator | None):
+           top_p: float, generator: torch.Generator | None, stop_check_every: int = 1, step_fn=_decode_step):
     """Sample token by token until every sequence stopped or max_new_tokens; each step feeds the sampled token
-    at its original position and evicts down to the budget. Returns per-sequence tokens, log-probs and
-    finish reasons ("stop" at EOS, else "length")."""
+    at its original position and evicts down to the budget.
+
+    Everything stays on the device: tokens [B, N] and log-probs [B, N] (entries past a sequence's end are
+    ignored), response lengths [B] and stop flags [B] ("stop" at EOS, else "length"). The host syncs only
+    for the stop check, every `stop_check_every` steps; a step after every sequence stopped feeds padding and
+    records nothing, so the results are those of checking every step.
+    """
     lens = state.prompt_lens
-    B = len(lens)
-    responses: list[list[int]] = [[] for _ in range(B)]
-    logprobs: list[list[float]] = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool)
-    finish = ["length"] * B
-    # Keys each sequence holds per (layer, KV head): every layer and head inserts one key per step and
-    # evicts down to the same keep count, so one number per sequence tracks them all.
-    cached = lens.tolist()
-    if state.policy.evicts:  # prefill evicted every layer and head down to the same count
-        cached = [min(n, k) for n, k in zip(cached, state.keep_after(lens).tolist(), strict=True)]
+    B, device = len(lens), state.device
+    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    schedule = state.schedule
+    step_keep = torch.from_numpy(schedule.step_keep).to(device)  # [S, B], one copy per batch
+    step_window = state.policy.recent_window(step_keep)
+    P = state.seq_length
     for step in range(max_new_tokens):
         tok, lp = _sample(logits[:, -1], temperature, top_k, top_p, generator)
-        for i in range(B):
-            if not done[i]:
-                responses[i].append(int(tok[i]))
-                logprobs[i].append(float(lp[i]))
-                if eos_token_id is not None and int(tok[i]) == eos_token_id:
-                    done[i] = True
-                    finish[i] = "stop"
-        if bool(done.all()) or step == max_new_tokens - 1:
+        tokens[:, step] = tok
+        logprobs[:, step] = lp
+        lengths += alive
+        if eos_token_id is not None:
+            alive &= tok != eos_token_id
+        if step == max_new_tokens - 1 or ((step + 1) % stop_check_every == 0 and not bool(alive.any())):
             break
         state.current_pos = lens + step
-        state.step_keep = state.keep_after(state.current_pos + 1)
-        state.step_window = state.policy.recent_window(state.step_keep)
-        cached = [n + 1 for n in cached]  # this step's key, in every layer and head
-        if state.evicts_while_decoding:
-            keep = state.step_keep.tolist()
-            state.step_excess = max(n - k for n, k in zip(cached, keep, strict=True))
-            cached = [min(n, k) for n, k in zip(cached, keep, strict=True)]
-        feed = torch.where(done, torch.full_like(tok, pad_token_id), tok)
-        logits = model(input_ids=feed[:, None], position_ids=state.current_pos[:, None],
-                       past_key_values=cache, use_cache=True, **kwargs).logits
-    return responses, logprobs, finish
+        state.seq_length = P + step + 1
+        state.step_keep, state.step_window = step_keep[step], step_window[step]
+        state.step_excess = schedule.step_excess[step]
+        feed = torch.where(alive, tok, torch.full_like(tok, pad_token_id))
+        logits = step_fn(model, feed[:, None], state.current_pos[:, None], cache, kwargs)
+    return tokens, logprobs, lengths, ~alive  # a sequence stops only at EOS
 
 
-def sample_results(state: RolloutState, responses: list[list[int]], logprobs: list[list[float]],
-                   finish: list[str]) -> list[SampleResult]:
-    """Per sequence: the response, and evict_at [T, L, H] of its unpadded row (sentinel T = never evicted)."""
+def sample_results(state: RolloutState, tokens: torch.Tensor, logprobs: torch.Tensor, lengths: torch.Tensor,
+                   stopped: torch.Tensor) -> list[SampleResult]:
+    """Per sequence: the response, and evict_at [T, L, H] of its unpadded row (sentinel T = never evicted).
+    The batch's tensors come to the host here, once."""
     results = []
-    ev_np = state.evict_at.numpy()
-    for i, (P_i, response) in enumerate(zip(state.prompt_lens.tolist(), responses, strict=True)):
-        R_i = len(response)
+    ev_np = state.evict_at.cpu().numpy()
+    tokens_np, logprobs_np = tokens.cpu().numpy(), logprobs.cpu().numpy()
+    lengths_np, stopped_np = lengths.cpu().numpy(), stopped.cpu().numpy()
+    for i, P_i in enumerate(state.prompt_lens_host.tolist()):
+        R_i = int(lengths_np[i])
         T = P_i + R_i
         e = ev_np[:, i, :, :T].transpose(2, 0, 1).astype(np.int64)  # [T, L, H]
         e = np.where((e < 0) | (e > T), T, e).astype(np.int32)
         counts = visible_counts(e)[P_i:] if R_i else np.zeros((1,), dtype=np.int64)
         results.append(
             SampleResult(
-                response_ids=response,
-                logprobs=logprobs[i],
-                finish_reason=finish[i],
+                response_ids=tokens_np[i, :R_i].tolist(),
+                logprobs=logprobs_np[i, :R_i].tolist(),
+                finish_reason="stop" if stopped_np[i] else "length",
                 prompt_len=P_i,
                 evict_at=e,
                 kv_peak_tokens=int(counts.max()),
@@ -439,15 +529,15 @@ def sample_results(state: RolloutState, responses: list[list[int]], logprobs: li
 
 
 def batch_stats(model, state: RolloutState, cache: EvictingCache, max_new_tokens: int,
-                responses: list[list[int]]) -> BatchStats:
+                lengths: torch.Tensor) -> BatchStats:
     """Bytes of the evicting cache against a dense cache of the same batch."""
     cfg = model.config
     num_kv = state.evict_at.shape[2]
     itemsize = next(model.parameters()).element_size()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dense_capacity = int(state.prompt_lens.max()) + max_new_tokens
+    dense_capacity = int(state.prompt_lens_host.max()) + max_new_tokens
     return BatchStats(
         cache_bytes=cache.nbytes(),
-        dense_cache_bytes=2 * state.num_layers * len(responses) * num_kv * dense_capacity * head_dim * itemsize,
-        generated_tokens=sum(len(r) for r in responses),
+        dense_cache_bytes=2 * state.num_layers * len(lengths) * num_kv * dense_capacity * head_dim * itemsize,
+        generated_tokens=int(lengths.sum()),
     )

@@ -53,6 +53,10 @@ class EvictionPolicy:
         self.num_layers = num_layers
 
     # Hooks (no-ops by default) -------------------------------------------------------------
+    def start_batch(self, batch: int, num_kv_heads: int, prompt_len: int, max_new_tokens: int,
+                    device: torch.device) -> None:
+        """A batch of `batch` sequences (left-padded to `prompt_len`) starts on `device`."""
+
     def observe_prefill(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None) -> None:
         """attn: [B, H_kv, Q, S] attention summed over each GQA group (None if not needed)."""
 
@@ -111,12 +115,19 @@ def evict(
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     victims = valid & (rank >= keep.view(-1, 1, 1))
-    if not bool(victims.any()):
-        return torch.zeros((), dtype=torch.long)
-    b_idx, h_idx, s_idx = victims.nonzero(as_tuple=True)
-    evict_at[b_idx, h_idx, pos[b_idx, h_idx, s_idx]] = (current_pos[b_idx] + 1).to(evict_at.dtype)
-    pos[b_idx, h_idx, s_idx] = -1
+    _record_evictions(evict_at, pos, victims, current_pos)
+    pos.masked_fill_(victims, -1)
     return victims.sum()
+
+
+def _record_evictions(evict_at: torch.Tensor, pos: torch.Tensor, victims: torch.Tensor,
+                      current_pos: torch.Tensor) -> None:
+    """evict_at[b, h, pos[b, h, s]] = current_pos[b] + 1 where victims[b, h, s], without a host sync (no
+    nonzero). A key is evicted once, so its entry is still -1: an `amax` scatter that writes -1 for every
+    non-victim (empty slots clamped to position 0 included) changes exactly the victims' entries."""
+    value = (current_pos.view(-1, 1, 1) + 1).to(evict_at.dtype).expand(pos.shape)
+    src = torch.where(victims, value, torch.full_like(value, -1))
+    evict_at.scatter_reduce_(-1, pos.clamp(min=0), src, reduce="amax")
 
 
 def _evict_one(slots: LayerSlots, scores: torch.Tensor, keep: torch.Tensor, current_pos: torch.Tensor,
@@ -124,15 +135,12 @@ def _evict_one(slots: LayerSlots, scores: torch.Tensor, keep: torch.Tensor, curr
     """`evict` when each (b, h) is at most one key over `keep`: its lowest-scored, oldest unprotected key."""
     pos = slots.slot_pos
     over = valid.sum(-1) > keep.view(-1, 1)  # [B, H]
-    if not bool(over.any()):
-        return torch.zeros((), dtype=torch.long)
     key = scores.to(torch.float64).masked_fill(protected | ~valid, float("inf"))
     lowest = key.amin(dim=-1, keepdim=True)
     # Among the valid keys with the lowest score (protected ones only when nothing else is left, as in the
     # sorting rule), the oldest; empty slots never.
     oldest = pos.masked_fill((key != lowest) | ~valid, torch.iinfo(pos.dtype).max).argmin(dim=-1)  # [B, H]
-    b_idx, h_idx = over.nonzero(as_tuple=True)
-    s_idx = oldest[b_idx, h_idx]
-    evict_at[b_idx, h_idx, pos[b_idx, h_idx, s_idx]] = (current_pos[b_idx] + 1).to(evict_at.dtype)
-    pos[b_idx, h_idx, s_idx] = -1
+    victim = torch.zeros_like(valid).scatter_(-1, oldest.unsqueeze(-1), over.unsqueeze(-1))  # [B, H, S]
+    _record_evictions(evict_at, pos, victim, current_pos)
+    pos.masked_fill_(victim, -1)
     return over.sum()

@@ -13,4 +13,4 @@ class DensePolicy(EvictionPolicy):
     evicts = False
 
     def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
-        return torch.zeros(slots.slot_pos.shape)
+        return torch.zeros(slots.slot_pos.shape, device=slots.slot_pos.device)

@@ -13,14 +13,30 @@ class RandomPolicy(EvictionPolicy):
 
     def __init__(self, cfg, num_layers):
         super().__init__(cfg, num_layers)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+
+    def start_batch(self, batch, num_kv_heads, prompt_len, max_new_tokens, device):
+        # Every priority of the batch is drawn here, on the host, in the order the layers use them (each
+        # layer's prompt keys, then step by step each layer's new key): the same draws on every device, and
+        # one copy to the device instead of one per layer and step.
+        prompt = [torch.rand((batch, num_kv_heads, prompt_len), generator=self.generator, dtype=torch.float64,
+                             device="cpu") for _ in range(self.num_layers)]
+        steps = [[torch.rand((batch * num_kv_heads,), generator=self.generator, dtype=torch.float64, device="cpu")
+                  for _ in range(self.num_layers)] for _ in range(max(max_new_tokens - 1, 0))]
+        self.prompt_draws = [d.to(device) for d in prompt]
+        self.step_draws = [torch.stack([s[layer] for s in steps]).to(device) if steps else None
+                           for layer in range(self.num_layers)]  # per layer [steps, B * H]
+        # Keys inserted so far per layer, as device tensors: no host value that changes every step (a compiled
+        # decoding step would specialise on it and recompile).
+        self.inserted = [torch.zeros((1,), dtype=torch.long, device=device) for _ in range(self.num_layers)]
 
     def observe_prefill(self, layer, slots, attn):
-        slots.extra["priority"] = torch.rand(slots.slot_pos.shape, generator=self.generator, dtype=torch.float64)
+        slots.extra["priority"] = self.prompt_draws[layer]
 
     def on_insert(self, layer, slots, batch_idx, head_idx, slot_idx):
-        draw = torch.rand(batch_idx.shape, generator=self.generator, dtype=torch.float64)
+        draw = self.step_draws[layer].index_select(0, self.inserted[layer])[0]
         slots.extra["priority"][batch_idx, head_idx, slot_idx] = draw
+        self.inserted[layer].add_(1)
 
     def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
         return slots.extra["priority"]

@@ -53,22 +53,24 @@ class SnapKVPolicy(EvictionPolicy):
 
     def __init__(self, cfg, num_layers):
         super().__init__(cfg, num_layers)
-        self.step = [0] * num_layers
+        self.ring_next: list[torch.Tensor | None] = [None] * num_layers
 
     def observe_prefill(self, layer, slots, attn):
         # attn: [B, H, w, P] for the last w prompt queries (positions in order here).
         cfg = self.cfg
         pooled = pooled_window_scores(attn, cfg.window, cfg.pooling, cfg.pooling_kernel, cfg.snapkv_pool_scope)
         B, H, P = pooled.shape
-        ring = torch.zeros(B, H, P, cfg.window, dtype=torch.float64)
+        ring = torch.zeros(B, H, P, cfg.window, dtype=torch.float64, device=pooled.device)
         ring[..., 0] = pooled  # the prefill window's pooled score occupies one ring entry
         slots.extra["ring"] = ring
-        self.step[layer] = 1
+        # The ring entry the next decoded query writes, as a device tensor: no host value that changes every
+        # step (a compiled decoding step would specialise on it and recompile).
+        self.ring_next[layer] = torch.ones((1,), dtype=torch.long, device=ring.device)
 
     def observe_decode(self, layer, slots, attn):
-        ring = slots.extra["ring"]
-        ring[..., self.step[layer] % self.cfg.window] = attn[:, :, 0].to(torch.float64)
-        self.step[layer] += 1
+        ring, entry = slots.extra["ring"], self.ring_next[layer]
+        ring.index_copy_(3, entry, attn[:, :, 0].to(torch.float64).unsqueeze(-1))
+        entry.add_(1).remainder_(self.cfg.window)
 
     def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
         return slots.extra["ring"].sum(dim=-1)
