@@ -53,6 +53,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "qwen3-vocab": {"vocab_size": 151_936, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
                     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64},
+    # Qwen3-1.7B's config (hidden 2048, 28 layers, 16 q / 8 KV heads of 128, MLP 6144, tied embeddings, RoPE base
+    # 1e6): the GPU check's shape (scripts/gpu_check.py), random weights.
+    "qwen3-1.7b": {"vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0,
+                   "rms_norm_eps": 1e-6},
 }
 SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"lengths": (512, 2048, 4096), "modes": ("dense", "smd_flex", "smd_tiled", "smd_sdpa", "smd_gather"),
@@ -61,6 +66,8 @@ SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3-vocab": {"lengths": (1024, 4096), "modes": ("dense", "smd_flex", "smd_tiled", "fwd_bwd", "dense_full",
                                                        "smd_flex_full"),
                     "target_memory": 1.1},
+    # a GPU shape (the paper's figures: smd 100% of dense memory, physical slicing 150%)
+    "qwen3-1.7b": {"lengths": (4096, 16384), "modes": ("dense", "smd_flex", "smd_gather"), "target_memory": 1.1},
 }
 GATHER_ATTENTION = "smd_gather_bench"
 
@@ -121,7 +128,10 @@ def gather_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _setup(T: int, num_layers: int, num_kv_heads: int, vocab_size: int, seed: int = 0) -> dict[str, Any]:
+def _setup(T: int, num_layers: int, num_kv_heads: int, vocab_size: int, seed: int = 0,
+           device: str = "cpu") -> dict[str, Any]:
+    """One synthetic sequence of T tokens (prompt 3T/4) with SnapKV-like masks, built on the host (seeded, the
+    same on every device) and copied to `device` once."""
     import numpy as np
     import torch
 
@@ -132,18 +142,21 @@ def _setup(T: int, num_layers: int, num_kv_heads: int, vocab_size: int, seed: in
     rng = np.random.default_rng(seed)
     ev = synthetic_evict_at("snapkv", T, P, num_layers, num_kv_heads, eviction_config("snapkv", 0.5),
                             rng).astype(np.int64)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(4, min(250, vocab_size) if vocab_size < 1000 else vocab_size, (1, T), generator=g,
+                        device="cpu")
     return {
-        "ids": torch.randint(4, min(250, vocab_size) if vocab_size < 1000 else vocab_size, (1, T), generator=g),
-        "evict_at": pad_evict_at([torch.from_numpy(ev)], T),
+        "ids": ids.to(device),
+        "evict_at": pad_evict_at([torch.from_numpy(ev)], T).to(device),
         "prompt_lens": [P],
         "resp_lens": [R],
-        "advantages": torch.tensor([1.0]),
+        "advantages": torch.tensor([1.0], device=device),
     }
 
 
-def build_bench_model(shape: str, T: int):
-    """The model of `shape` (random weights, seed 0), positions for T tokens."""
+def build_bench_model(shape: str, T: int, device: str = "cpu", dtype: str = "float32"):
+    """The model of `shape` (random weights, seed 0), positions for T tokens, on `device` in `dtype` (a large
+    shape is initialised on the device itself: a 1.7B model initialises in a second on a GPU)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from schemas.errors import SmdInputError
@@ -153,15 +166,22 @@ def build_bench_model(shape: str, T: int):
 
     if shape not in SHAPES:
         raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-    if shape == "tiny":
-        tiny = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
-        return build_tiny_model(tiny, vocab_size=len(tiny_vocabulary()), seed=0)
     import torch
 
+    from stages.model import DTYPES
+
+    if shape == "tiny":
+        tiny = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
+        return build_tiny_model(tiny, vocab_size=len(tiny_vocabulary()), seed=0).to(device=device,
+                                                                                     dtype=DTYPES[dtype])
     torch.manual_seed(0)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed(0)
     config = Qwen3Config(**SHAPES[shape], max_position_embeddings=max(T, 8192), tie_word_embeddings=True,
                          bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    return Qwen3ForCausalLM(config)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    return model.to(dtype=DTYPES[dtype])
 
 
 def describe_shape(shape: str) -> str:
@@ -180,18 +200,21 @@ def describe_shape(shape: str) -> str:
 class _Learner:
     """A model of `shape`, one AdamW, and a `step(mode)` per learner on one prepared sequence of T tokens."""
 
-    def __init__(self, T: int, block_size: int, threads: int, shape: str = "tiny", chunk_tokens: int | None = None):
+    def __init__(self, T: int, block_size: int, threads: int, shape: str = "tiny", chunk_tokens: int | None = None,
+                 device: str = "cpu", dtype: str = "float32"):
         import torch
         from transformers import AttentionInterface
 
         from schemas.params.learner import LearnerParams
         from stages.learner.objectives import objective_kwargs, token_logprobs
         from stages.learner.shadow_attention import response_logits
+        from stages.model import configure_precision
 
         if threads:
             torch.set_num_threads(threads)
         AttentionInterface.register(GATHER_ATTENTION, gather_attention)
-        self.model = build_bench_model(shape, T)
+        self.model = build_bench_model(shape, T, device, dtype)
+        configure_precision(device, next(self.model.parameters()).dtype)
         self.model.set_attn_implementation("sdpa")
         self.model.eval()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
@@ -199,7 +222,7 @@ class _Learner:
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens or LearnerParams().logit_chunk_tokens
         cfg = self.model.config
-        b = _setup(T, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.vocab_size)
+        b = _setup(T, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.vocab_size, device=device)
         with torch.no_grad():
             sel, targets, valid = response_logits(self.model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
             b["rollout"] = token_logprobs(sel, targets).masked_fill(~valid, 0.0)
@@ -295,6 +318,77 @@ def _child_memory(mode: str, T: int, block_size: int, threads: int, shape: str =
             "hwm_mb": hwm / 1024}
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")  # (NaN > 0 is False: NaN)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_steps(shape: str, lengths, modes, device: str = "cpu", dtype: str = "float32", rounds: int = 2,
+                  block_size: int = 128, chunk_tokens: int | None = None) -> list[dict[str, Any]]:
+    """The learners side by side in this process, on `device` (the GPU check, scripts/gpu_check.py): per T one
+    model of `shape`; per learner a warm-up step (FlexAttention compiles, AdamW allocates its state), then
+    `rounds` timed steps (synchronised; the median counts) and the working memory of one step on CUDA:
+    `torch.cuda.max_memory_allocated` minus the memory allocated before it (model, AdamW state and inputs
+    excluded, as `run_learner_bench` excludes them from RSS). On the CPU peak is NaN (`run_learner_bench`
+    measures RSS in a process per learner). A learner that runs out of memory gets status "OOM", the others
+    still run. Rows: T, mode, status, step_s, peak_mb, and time / memory ratios to dense at the same T."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    rows: list[dict[str, Any]] = []
+    for T in lengths:
+        learner = None
+        per_mode: dict[str, dict[str, Any]] = {}
+        try:
+            learner = _Learner(T, block_size, 0, shape, chunk_tokens, device=device, dtype=dtype)
+            for mode in modes:
+                row: dict[str, Any] = {"T": T, "mode": mode, "status": "ok", "step_s": float("nan"),
+                                       "peak_mb": float("nan")}
+                try:
+                    learner.step(mode)  # warm-up
+                    _sync(device)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                    times = []
+                    for _ in range(max(rounds, 1)):
+                        t0 = time.perf_counter()
+                        learner.step(mode)
+                        _sync(device)
+                        times.append(time.perf_counter() - t0)
+                    row["step_s"] = statistics.median(times)
+                    if cuda:
+                        row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+                except torch.cuda.OutOfMemoryError:
+                    row["status"] = "OOM"
+                    learner.opt.zero_grad(set_to_none=True)
+                per_mode[mode] = row
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+        except torch.cuda.OutOfMemoryError:  # the model itself does not fit
+            per_mode = {m: {"T": T, "mode": m, "status": "OOM", "step_s": float("nan"), "peak_mb": float("nan")}
+                        for m in modes}
+        finally:
+            del learner
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        dense = per_mode.get("dense", {})
+        for mode in modes:
+            row = per_mode[mode]
+            row["time_ratio"] = _ratio(row["step_s"], dense.get("step_s", float("nan")))
+            row["mem_ratio"] = _ratio(row["peak_mb"], dense.get("peak_mb", float("nan")))
+            rows.append(row)
+    return rows
+
+
 def _gather_logits(model, b: dict, block_size: int):
     """response_logits through the gathering attention (mirrors shadow_attention.response_logits)."""
     import torch
@@ -304,7 +398,7 @@ def _gather_logits(model, b: dict, block_size: int):
     ids = b["ids"]
     B, T = ids.shape
     start = min(b["prompt_lens"]) - 1
-    position_ids = torch.arange(T).unsqueeze(0).expand(B, T)
+    position_ids = torch.arange(T, device=ids.device).unsqueeze(0).expand(B, T)
     out = model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=T - start,
                 smd_evict_at=b["evict_at"], smd_gather_block=block_size).logits
     (sel,), targets, valid = gather_response((out,), ids, b["prompt_lens"], b["resp_lens"], start)

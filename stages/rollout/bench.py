@@ -15,7 +15,7 @@ import torch
 from schemas.params.model import TinyModelParams
 from schemas.params.rollout import POLICIES, EvictionParams
 from stages.kvcache.engine import generate_batch
-from stages.model import build_tiny_model
+from stages.model import build_tiny_model, place_model, resolve_device
 
 
 def _reset_peak_rss() -> None:
@@ -33,14 +33,15 @@ def _peak_rss_mib() -> float:
 
 
 def bench_rollout(lengths=(512, 2048, 4096), keep_ratio: float = 0.5, batch_size: int = 4, new_tokens: int = 128,
-                  repeats: int = 1, print_fn=print) -> list[dict]:
+                  repeats: int = 1, print_fn=print, device: str = "auto") -> list[dict]:
     torch.manual_seed(0)
-    model = build_tiny_model(TinyModelParams(), vocab_size=256).eval()
+    # the one device rule (model.device): the engine runs where the model is
+    model = place_model(build_tiny_model(TinyModelParams(), vocab_size=256).eval(), resolve_device(device))
     rows = []
     print_fn(f"{'T':>5} {'policy':>7} {'tok/s':>8} {'x dense':>8} {'KV MiB':>8} {'KV/dense':>8} {'peak RSS MiB':>12}")
     for T in lengths:
-        g = torch.Generator().manual_seed(T)
-        prompts = [torch.randint(4, 256, (T,), generator=g).tolist() for _ in range(batch_size)]
+        g = torch.Generator(device="cpu").manual_seed(T)
+        prompts = [torch.randint(4, 256, (T,), generator=g, device="cpu").tolist() for _ in range(batch_size)]
         dense_rate = dense_bytes = None
         for policy in POLICIES:
             ev = EvictionParams(policy=policy, keep_ratio=keep_ratio)

@@ -69,7 +69,9 @@ def bench_rollout_processes(processes: list[int], threads: int | None, policy: P
         configs.append((1, cores))  # the alternative use of the same cores: intra-op threads in one process
     params = load_params(None, [f"rollout.prompts_per_iteration={num_prompts}", f"rollout.group_size={group_size}",
                                 f"rollout.max_new_tokens={new_tokens}", f"rollout.batch_size={batch_size}",
-                                "rollout.min_prompt_tokens=1"])
+                                "rollout.min_prompt_tokens=1",
+                                # CPU processes sharing the cores is what this bench measures, GPU or not
+                                "model.device=cpu"])
     with tempfile.TemporaryDirectory(prefix="smd-bench-rollout-") as tmp:
         root = Path(tmp)
         policy = policy or init_tiny_model(TinyModelParams(), root / "model")
