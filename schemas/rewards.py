@@ -7,7 +7,7 @@
   the number after the last `####`, else the last number in the text). score = 1.0 or 0.0.
 - `kv_retrieval`: fraction of the queried values answered correctly, position by position (a dense
   signal for RL); exact match = every value right and no extra value.
-- `pointer_chasing`: fraction of the reference's hops (units between ";", e.g. "fox to owl") that the
+- `pointer_chasing`: fraction of the reference's hops (units between ";", e.g. "fox owl") that the
   response gives at the same position, words compared exactly (a wrong hop usually derails the hops
   after it, which then miss too; extra hops past the reference cost nothing); exact match = the same
   hops and no extra one.

@@ -21,21 +21,24 @@ def cfg(*overrides: str):
 
 
 def facts_of(prompt: str) -> dict[str, str]:
-    """Every "a to b ." fact of a prompt as {a: b}; fails when a node has two outgoing facts."""
+    """Every "a b ." fact of a prompt (two node words) as {a: b}; fails when a node has two outgoing facts."""
     found: dict[str, str] = {}
-    for a, b in re.findall(r"(\w+) to (\w+) \.", prompt):
+    nodes = set(POINTER_NODE_WORDS)
+    for a, b in re.findall(r"(?<![\w])(\w+) (\w+) \.", prompt):
+        if a not in nodes or b not in nodes:
+            continue  # a filler sentence's end ("the rope ."), not a fact
         assert a not in found, f"{a} has two facts"
         found[a] = b
     return found
 
 
 def test_answer_is_the_path_through_the_context_facts():
-    c = cfg("prepare.pointer_hops=13", "prepare.pointer_distractors=3", "prepare.context_tokens=200")
+    c = cfg("prepare.pointer_hops=17", "prepare.pointer_distractors=3", "prepare.context_tokens=200")
     for prompt, reference in generate(TASK, c, seed=3, split="eval", n=25):
         facts = facts_of(prompt)
-        assert len(facts) == 13 + 3
-        hops = [unit.split(" to ") for unit in reference.split(" ; ")]
-        assert len(hops) == 13
+        assert len(facts) == 17 + 3
+        hops = [unit.split(" ") for unit in reference.split(" ; ")]
+        assert len(hops) == 17
         start = re.search(r"query : from (\w+) \. " + ANSWER_CUE + "$", prompt).group(1)
         assert hops[0][0] == start
         for (a, b), (next_a, _) in zip(hops, [*hops[1:], (None, None)], strict=True):
@@ -43,9 +46,9 @@ def test_answer_is_the_path_through_the_context_facts():
             assert next_a in (b, None)  # ... and starts where the previous one ended
         assert hops[-1][1] not in facts  # the path ends at a node without an outgoing fact
         path = [hops[0][0]] + [b for _, b in hops]
-        assert len(set(path)) == 14  # no node visited twice
+        assert len(set(path)) == 18  # no node visited twice
         # Facts are not written in path order (else the answer could copy the context in sequence).
-        order = [prompt.index(f"{a} to {b} .") for a, b in hops]
+        order = [prompt.index(f" {a} {b} .") for a, b in hops]
         assert order != sorted(order)
 
 
@@ -57,8 +60,8 @@ def test_answers_are_long_and_use_only_tiny_vocabulary():
         ids = tok(prompt + " " + reference, add_special_tokens=False)["input_ids"]
         assert tok.unk_token_id not in ids
         lengths.append(count_tokens(reference))
-    assert set(lengths) == {51}  # default 13 hops: 13 * 4 tokens, less the last separator
-    # A response is the reference plus EOS: 52 tokens, over the 48 the issue asks for.
+    assert set(lengths) == {50}  # default 17 hops: 17 * 3 tokens, less the last separator
+    # A response is the reference plus EOS: 51 tokens, over the 48 the issue asks for.
 
 
 def test_node_words_never_occur_in_filler():
@@ -77,32 +80,32 @@ def test_same_seed_same_prompts_other_seed_or_split_other_prompts():
     assert a != generate(TASK, c, seed=12, split="train", n=8)
     assert a != generate(TASK, c, seed=11, split="eval", n=8)
     # The first eval prompt of seed 0 at the default sizes, read by hand (pins the generator's draws): it starts
-    # "track each key . fox to ant . bird to horse . duck to sky ." and asks "query : from ball . answer :";
-    # from ball the facts lead ball -> deer -> bird -> horse -> ... -> dog -> swan, and swan has no fact.
+    # "track each key . ant star . chair hill . table seal ." and asks "query : from ball . answer :"; from ball
+    # the facts lead ball -> deer -> bird -> horse -> ... -> owl -> chair -> hill, and hill has no fact.
     prompt, reference = generate(TASK, cfg(), seed=0, split="eval", n=1)[0]
-    assert prompt.startswith("track each key . fox to ant . bird to horse . duck to sky . ")
-    assert prompt.endswith(f"rock to owl . chair to tree . query : from ball . {ANSWER_CUE}")
-    assert reference == ("ball to deer ; deer to bird ; bird to horse ; horse to tree ; tree to window ; "
-                         "window to duck ; duck to sky ; sky to river ; river to fox ; fox to ant ; ant to star ; "
-                         "star to dog ; dog to swan")
+    assert prompt.startswith("track each key . ant star . chair hill . table seal . ")
+    assert prompt.endswith(f"sky river . owl chair . it was bright and quiet at the town . query : from ball . {ANSWER_CUE}")
+    assert reference == ("ball deer ; deer bird ; bird horse ; horse tree ; tree window ; window duck ; duck sky ; "
+                         "sky river ; river fox ; fox ant ; ant star ; star dog ; dog swan ; swan rock ; rock owl ; "
+                         "owl chair ; chair hill")
     assert 100 <= count_tokens(prompt) <= 120
 
 
 def test_unit_fraction_hand_checked():
-    ref = "fox to owl ; owl to bee ; bee to moon ; moon to cat"
+    ref = "fox owl ; owl bee ; bee moon ; moon cat"
     score = lambda text: rewards.score(TASK, text, ref)  # noqa: E731
     assert rewards.metric_name(TASK) == "unit_fraction"
     assert score(ref) == 1.0 and rewards.exact_match(TASK, ref, ref)
-    assert score("fox  to owl;owl to bee ; bee to moon ; moon to cat") == 1.0  # whitespace is not a unit's
+    assert score("fox  owl;owl bee ; bee moon ; moon cat") == 1.0  # whitespace is not a unit's
     # A wrong hop derails the next one (it starts at the wrong node); the one after is back on the path.
-    assert score("fox to owl ; owl to ant ; ant to moon ; moon to cat") == pytest.approx(2 / 4)
+    assert score("fox owl ; owl ant ; ant moon ; moon cat") == pytest.approx(2 / 4)
     # Derailed for good: only the hops before the error count.
-    assert score("fox to owl ; owl to ant ; ant to sun ; sun to dog") == pytest.approx(1 / 4)
-    assert score("owl to bee ; bee to moon ; moon to cat") == 0.0  # order matters: hop 1 missing shifts all
-    assert score("fox to owl ; owl to bee") == pytest.approx(2 / 4)  # stopped early
-    extra = ref + " ; cat to dog"
+    assert score("fox owl ; owl ant ; ant sun ; sun dog") == pytest.approx(1 / 4)
+    assert score("owl bee ; bee moon ; moon cat") == 0.0  # order matters: hop 1 missing shifts all
+    assert score("fox owl ; owl bee") == pytest.approx(2 / 4)  # stopped early
+    extra = ref + " ; cat dog"
     assert score(extra) == 1.0 and not rewards.exact_match(TASK, extra, ref)  # an extra hop: full score, no EM
-    assert score("fox to") == 0.0 and score("") == 0.0
+    assert score("fox") == 0.0 and score("") == 0.0
     assert rewards.score(TASK, "anything", "") == 0.0 and not rewards.exact_match(TASK, "", "")
 
 

@@ -80,11 +80,11 @@ class PrepareParams(BaseModel):
     max_operand: int = Field(9, ge=1, le=999, description="arithmetic: largest initial amount and operand.")
     # pointer_chasing
     pointer_hops: int = Field(
-        13,
+        17,
         ge=1,
         le=39,
-        description="pointer_chasing: hops of the asked path; the answer restates each hop's fact (`fox to owl`, "
-        "4 tokens with its separator), so 13 hops answer in 51 tokens.",
+        description="pointer_chasing: hops of the asked path; the answer restates each hop's fact (`fox owl`, "
+        "3 tokens with its separator), so 17 hops answer in 50 tokens.",
     )
     pointer_distractors: int = Field(
         3,

@@ -13,12 +13,13 @@ sentences and distractors up to `context_tokens`, so a KV cache that evicts them
   "question : what is c ? answer :" -> "c = b = a = 5" (each hop, then the number).
 - arithmetic: GSM8K-like story with distractor facts; "question : how many apples does tom have now ?
   answer :" -> "5 + 3 = 8 . 8 - 2 = 6 . #### 6".
-- pointer_chasing: facts "fox to owl ." (each node has at most one outgoing fact) in shuffled order among
-  filler, `pointer_hops` of them forming the asked path and `pointer_distractors` leaving nodes off it;
-  "query : from fox . answer :" -> "fox to owl ; owl to bee ; bee to moon" (the whole path hop by hop,
-  each hop restating the fact it follows, so the hop's source was written by the answer itself just
-  before and only its target needs the context). A long answer whose every hop depends on a fact that
-  eviction may have removed.
+- pointer_chasing: facts "fox owl ." (fox points to owl; each node has at most one outgoing fact) in
+  shuffled order among filler, `pointer_hops` of them forming the asked path and `pointer_distractors`
+  leaving nodes off it; "query : from fox . answer :" -> "fox owl ; owl bee ; bee moon" (the whole path
+  hop by hop, each hop restating the fact it follows: its source was written by the answer just before,
+  its target needs the context). The node just written is the lookup key, as in kv_retrieval: the token
+  after its fact's occurrence (a first design, "fox to owl", put "to" between them, so the lookup had to
+  match two tokens back; the tiny model did not learn it within 10 minutes).
 """
 
 from __future__ import annotations
@@ -177,10 +178,10 @@ def arithmetic(rng: random.Random, p: PrepareParams, context_tokens: int) -> tup
 def pointer_chasing(rng: random.Random, p: PrepareParams, context_tokens: int) -> tuple[str, str]:
     nodes = rng.sample(POINTER_NODE_WORDS, p.pointer_hops + 1 + p.pointer_distractors)
     path, off_path = nodes[: p.pointer_hops + 1], nodes[p.pointer_hops + 1 :]
-    hops = [f"{a} to {b}" for a, b in zip(path, path[1:], strict=False)]
-    # A distractor may point into the path ("cat to owl ."), so a node's word alone does not find its fact:
-    # the match is on "owl to".
-    distractors = [f"{a} to {rng.choice([n for n in nodes if n != a])}" for a in off_path]
+    hops = [f"{a} {b}" for a, b in zip(path, path[1:], strict=False)]
+    # A distractor may point into the path ("cat owl ."), so owl also occurs followed by "." (its fact is the
+    # occurrence followed by a node), as a kv_retrieval key does in "key owl 37 owl .".
+    distractors = [f"{a} {rng.choice([n for n in nodes if n != a])}" for a in off_path]
     facts = [f"{fact} ." for fact in hops + distractors]
     rng.shuffle(facts)  # not in path order: the answer cannot copy the context in sequence
     prompt = spread(rng, "track each key .", facts, f"query : from {path[0]} . {ANSWER_CUE}", context_tokens)
