@@ -51,7 +51,9 @@ def bench_compaction(
 
 @bench_app.command("rollout")
 def bench_rollout_cmd(
-    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "512,2048,4096",
+    lengths: Annotated[str, typer.Option(
+        help="Comma-separated shapes: `default` (the default rollout: 64 sequences of ~110 prompt tokens, 16 new, "
+             "16 together) or prompt lengths.")] = "default,2048,4096",
     keep_ratio: Annotated[float, typer.Option(help="Eviction keep ratio.")] = 0.5,
     batch_size: Annotated[int | None, typer.Option(
         help="Sequences decoded together (default 4; with --processes the stage's 16).")] = None,
@@ -68,9 +70,12 @@ def bench_rollout_cmd(
     prompt_tokens: Annotated[int, typer.Option(min=1, help="With --processes: tokens per random prompt.")] = 110,
     policy: Annotated[Path | None, typer.Option(
         help="With --processes: policy directory (default: the default tiny model, random init).")] = None,
+    device: Annotated[str, typer.Option(help="Device, as model.device: auto, cpu, cuda, cuda:N.")] = "auto",
+    compile: Annotated[bool, typer.Option(help="Compile smd's decoding step (rollout.compile).")] = False,
 ) -> None:
-    """Dense vs every eviction policy: tokens/s, KV-cache bytes and peak memory relative to dense. With
-    --processes: the rollout stage on 1, 2, ... processes, tokens/s and wall time side by side."""
+    """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
+    bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
+    wall time side by side."""
     if processes:
         from stages.rollout.scale_bench import bench_rollout_processes
 
@@ -80,8 +85,8 @@ def bench_rollout_cmd(
         return
     from stages.rollout.bench import bench_rollout
 
-    guarded(lambda: bench_rollout([int(x) for x in lengths.split(",") if x], keep_ratio, batch_size or 4,
-                                  new_tokens or 128, repeats or 3))
+    guarded(lambda: bench_rollout([x.strip() for x in lengths.split(",") if x.strip()], keep_ratio, batch_size or 4,
+                                  new_tokens or 128, repeats or 3, device=device, compile=compile))
 
 
 @bench_app.command("engine")

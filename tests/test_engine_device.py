@@ -87,3 +87,18 @@ def test_stop_check_interval_defaults():
     assert stop_check_interval(torch.device("cpu")) == 1
     assert stop_check_interval(torch.device("cuda", 0)) == 8
     assert stop_check_interval(torch.device("cpu"), 5) == 5
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_eager_trajectories(model):
+    """rollout.compile: the decoding step through torch.compile (Inductor on the CPU) samples the same tokens and
+    records the same shadow masks as eager; log-probs differ by float rounding only (fused kernels reorder the
+    float32 sums), bounded by eps x the longest reduction (hidden size, vocabulary) x the log-prob's size."""
+    eager = _generate(model, "snapkv")[0]
+    compiled = _generate(model, "snapkv", compile=True)[0]
+    cfg = model.config
+    for a, b in zip(eager, compiled, strict=True):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert np.array_equal(a.evict_at, b.evict_at)
+        bound = torch.finfo(torch.float32).eps * max(cfg.hidden_size, cfg.vocab_size) * max(map(abs, a.logprobs))
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= bound

@@ -96,6 +96,17 @@ class RolloutParams(BaseModel):
     top_k: int = Field(0, ge=0, description="Must stay 0 (off): the learner scores the full softmax.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Must stay 1.0 (off): the learner scores the full softmax.")
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
+    compile: bool = Field(
+        False, description="Run the decoding step through torch.compile (CUDA graphs on a GPU, mode "
+        "reduce-overhead; Inductor kernels on the CPU). The first batch pays the compilation (tens of seconds). "
+        "Same tokens and shadow masks as eager on the CPU; log-probs differ by float rounding (<= 1e-6 measured, "
+        "tests/test_engine_device.py). Off by default.",
+    )
+    stop_check_every: int = Field(
+        0, ge=0, description="Decoding steps between two checks whether every sequence stopped, the decode loop's "
+        "only host sync (0 = auto: 1 on the CPU, 8 on a GPU). Steps after every sequence stopped record nothing: "
+        "the results do not depend on it.",
+    )
     shard_rows: int = Field(0, ge=0, description="Rows per raw-mask shard (0 = one shard).")
     eviction: EvictionParams = EvictionParams()
     engine: EngineName = Field(
