@@ -62,7 +62,9 @@ def _patch_cpu_flex_symbol_names() -> bool:
         from torch._inductor.codegen.cpp_flex_attention_template import CppFlexAttentionTemplate
     except ImportError:  # another torch layout: nothing to patch
         return False
-    original = CppFlexAttentionTemplate.modification
+    original = getattr(CppFlexAttentionTemplate, "modification", None)
+    if original is None or not hasattr(inductor_cpp, "KernelGroup"):  # another torch (>= 2.11 is supported)
+        return False
     if getattr(original, "_smd_patched", False):
         return True
     base_group = inductor_cpp.KernelGroup
