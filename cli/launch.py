@@ -79,9 +79,11 @@ def register(app: typer.Typer) -> None:
                              master_port)
         env = dict(os.environ)
         if argv[0] != smdctl and "DS_ACCELERATOR" not in env:
-            import torch  # the launcher's accelerator: CPU processes (gloo) on a machine without CUDA
+            # the launcher's accelerator follows model.device (CPU processes, gloo, without CUDA or with cpu)
+            from stages.model import resolve_device
 
-            env["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+            device = guarded(lambda: resolve_device(p.model.device, 0))
+            env["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(argv[0], argv, env)

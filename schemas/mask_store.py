@@ -9,7 +9,10 @@ Layout (a Zarr v3 group):
   attrs        schema_version, kind="masks", num_layers, num_kv_heads, num_rows, num_tokens, num_columns,
                evict_at_dtype, chunk_rows, chunk_tokens, eviction (the rollout's eviction config),
                config (the producing config: compaction params and the rollout table's config),
-               retention (per layer/head statistics, each a [num_layers][num_kv_heads] list)
+               retention (per layer/head statistics, each a [num_layers][num_kv_heads] list),
+               trajectories (the binding of the trajectory table the rows belong to, copied from the raw store
+               after compaction checked it: rollout id and digest; the learner refuses another table),
+               attrs_digest (of all the other attributes, checked on open)
   offsets      int64 [rows + 1]              store row r = flat tokens offsets[r]:offsets[r+1]
   prompt_len   int32 [rows]                  prefill length (prefill queries attend densely)
   table_row    int64 [rows]                  row index in trajectories.arrow of store row r
@@ -19,7 +22,8 @@ Layout (a Zarr v3 group):
                policy collapses to a single column); Blosc/zstd; a chunk spans `chunk_tokens` tokens,
                the most tokens of any `chunk_rows` consecutive rows (the learner's micro-batch), so a
                micro-batch of consecutive rows touches at most two chunks. Fill value 0 (never valid:
-               evict_at[k] > k >= 0), so a missing chunk is detected on read.
+               evict_at[k] > k >= 0), so a missing chunk is detected on read. Every array's chunks end in a
+               CRC-32C (Zarr's crc32c codec after Blosc): a flipped byte is refused on read.
   kept_final   uint8 [ceil(tokens / 8), columns]  bit-packed (little bit order along the flat token
                axis): bit t = the key is still cached after the last step (evict_at == its row's T).
 
@@ -46,10 +50,11 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.masks import ATTRS_DIGEST, attrs_digest, check_attrs_digest
 
 STORE_SCHEMA_VERSION = "1"
 STORE_KIND = "masks"
@@ -94,11 +99,13 @@ def write_mask_store(
     retention: dict[str, Any],
     chunk_rows: int = 8,
     compression_level: int = 3,
+    trajectories: dict[str, str] | None = None,
 ) -> Path:
     """Write a validated compacted store atomically.
 
     `evict_at` is [tokens, columns] (unique columns, any integer dtype; narrowed here), `column_map`
-    [num_layers, num_kv_heads]. The caller (stages.compaction) validates the encoding first.
+    [num_layers, num_kv_heads]. The caller (stages.compaction) validates the encoding first. `trajectories`
+    is the binding of the table the rows belong to (`schemas.tables.trajectories_binding`); the learner needs it.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets)
@@ -126,6 +133,9 @@ def write_mask_store(
         "config": config,
         "retention": retention,
     }
+    if trajectories is not None:
+        attrs["trajectories"] = dict(trajectories)
+    attrs[ATTRS_DIGEST] = attrs_digest(attrs)
     with atomic_path(path) as tmp:
         root = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         root.attrs.update(attrs)
@@ -137,7 +147,7 @@ def write_mask_store(
                 shape=data.shape,
                 dtype=data.dtype,
                 chunks=tuple(max(1, c) for c in chunks),
-                compressors=[_compressor(compression_level, data.dtype)],
+                compressors=[_compressor(compression_level, data.dtype), Crc32cCodec()],
                 fill_value=0,
             )
             if data.size:
@@ -209,6 +219,7 @@ def open_mask_store(path: str | Path) -> MaskStore:
         raise SmdInputError(
             f"{path}: schema_version: {attrs.get('schema_version')} but this smd reads {STORE_SCHEMA_VERSION}"
         )
+    check_attrs_digest(path, attrs)
     arrays: dict[str, Any] = {}
     for name in ARRAYS:
         try:

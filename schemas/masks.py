@@ -12,10 +12,16 @@ Raw store (`masks.raw.zarr`, written by rollout): a Zarr v3 group with one subgr
   mask_row   int64 [rows]          the trajectory table's `mask_row` of each row
   prompt_len int32 [rows]          prefill length (prefill queries attend densely)
 Group and shard attributes: schema_version, kind, num_layers, num_kv_heads, eviction (the config).
+Group attributes also: `trajectories` (the binding of the trajectory table the masks belong to:
+`schemas.tables.trajectories_binding`, rollout id and digest; compaction refuses masks bound to another table)
+and `attrs_digest` (of the other attributes). Every array chunk carries a CRC-32C (Zarr's crc32c codec), so a
+flipped byte in a value is refused on read instead of read as another mask.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +31,7 @@ import numpy as np
 if TYPE_CHECKING:  # torch only where a tensor is built: compaction and the readers run without importing it
     import torch
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
@@ -32,6 +39,28 @@ from schemas.errors import SmdInputError
 MASK_SCHEMA_VERSION = "1"
 RAW_KIND = "raw_masks"
 RAW_FIELDS = ("evict_at", "offsets", "mask_row", "prompt_len")
+ATTRS_DIGEST = "attrs_digest"
+
+
+def attrs_digest(attrs: dict[str, Any]) -> str:
+    """`sha256:<hex>` of a store's attributes (canonical JSON, without the digest itself): a flipped byte in
+    zarr.json that still parses (a digit of a statistic, of the eviction config) is refused on read."""
+    body = {k: v for k, v in attrs.items() if k != ATTRS_DIGEST}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_attrs_digest(path: str | Path, attrs: dict[str, Any]) -> None:
+    """One line when a store's attributes lack their digest or do not match it."""
+    recorded = attrs.get(ATTRS_DIGEST)
+    if recorded is None:
+        raise SmdInputError(f"{path}: attrs_digest: missing from the store's attributes (written without it)")
+    if recorded != attrs_digest(attrs):
+        raise SmdInputError(f"{path}: attrs_digest: the attributes do not match their digest (damaged zarr.json)")
+
+
+def checksummed_codecs() -> list:
+    """Raw-store compressors: zstd (Zarr's default) then a CRC-32C over each compressed chunk, checked on read."""
+    return [ZstdCodec(level=0), Crc32cCodec()]
 
 
 def protected_tokens(eviction: dict[str, Any]) -> int:
@@ -95,8 +124,11 @@ def write_raw_masks(
     num_layers: int,
     num_kv_heads: int,
     eviction: dict[str, Any],
+    trajectories: dict[str, str] | None = None,
 ) -> Path:
-    """Write raw shards (dicts with evict_at, offsets, mask_row, prompt_len) atomically."""
+    """Write raw shards (dicts with evict_at, offsets, mask_row, prompt_len) atomically. `trajectories` is the
+    binding of the table the rows belong to (`schemas.tables.trajectories_binding`); a rollout process's part
+    has none yet (`merge_raw_stores` records it), a store compaction reads must have it."""
     attrs = {
         "schema_version": MASK_SCHEMA_VERSION,
         "kind": RAW_KIND,
@@ -106,13 +138,16 @@ def write_raw_masks(
     }
     with atomic_path(path) as tmp:
         root = zarr.open_group(str(tmp), mode="w")
-        root.attrs.update({**attrs, "num_shards": len(shards)})
+        root_attrs = {**attrs, "num_shards": len(shards)}
+        if trajectories is not None:
+            root_attrs["trajectories"] = dict(trajectories)
+        root.attrs.update({**root_attrs, ATTRS_DIGEST: attrs_digest(root_attrs)})
         for i, shard in enumerate(shards):
             g = root.create_group(f"shard-{i:05d}")
             g.attrs.update(attrs)
             for name, dtype in zip(RAW_FIELDS, (np.int32, np.int64, np.int64, np.int32), strict=True):
                 arr = np.ascontiguousarray(shard[name], dtype=dtype)
-                g.create_array(name, data=arr, chunks=arr.shape if arr.size else None)
+                g.create_array(name, data=arr, chunks=arr.shape if arr.size else None, compressors=checksummed_codecs())
     return Path(path)
 
 
@@ -131,6 +166,7 @@ def read_raw_masks(path: str | Path) -> tuple[dict[str, Any], list[dict[str, np.
         raise SmdInputError(f"{path}: kind: expected {RAW_KIND}, found {attrs.get('kind')}")
     if attrs.get("schema_version") != MASK_SCHEMA_VERSION:
         raise SmdInputError(f"{path}: schema_version: {attrs.get('schema_version')} but this smd reads {MASK_SCHEMA_VERSION}")
+    check_attrs_digest(path, attrs)
     shards = []
     for name in sorted(k for k in root.group_keys() if k.startswith("shard-")):
         g = root[name]
@@ -178,21 +214,25 @@ def _check_shards(path: Path, attrs: dict[str, Any], shards: list[dict[str, Any]
             raise SmdInputError(f"{where}/offsets: must rise from 0 to the {ev.shape[0]} tokens of evict_at")
 
 
-def merge_raw_stores(parts: list[str | Path], path: str | Path) -> int:
+def merge_raw_stores(parts: list[str | Path], path: str | Path, trajectories: dict[str, str] | None = None) -> int:
     """Assemble one raw store at the new path `path` from raw stores written by `write_raw_masks`, one per
     rollout process: their shard groups are moved (renamed, nothing copied) and renumbered in the parts'
-    order; the root keeps the parts' attributes (equal by construction) with the total `num_shards`.
-    Returns that number. Rows keep their `mask_row`, so compaction's result does not depend on the split."""
+    order; the root keeps the parts' attributes (equal by construction) with the total `num_shards` and the
+    binding `trajectories` of the table the rows belong to. Returns that number. Rows keep their `mask_row`, so compaction's result does not depend on the split."""
     path = Path(path)
     groups = [zarr.open_group(str(p), mode="r") for p in parts]
-    base = {k: v for k, v in dict(groups[0].attrs).items() if k != "num_shards"}
+    per_part = ("num_shards", "trajectories", ATTRS_DIGEST)
+    base = {k: v for k, v in dict(groups[0].attrs).items() if k not in per_part}
     for part, group in zip(parts, groups, strict=True):
-        if {k: v for k, v in dict(group.attrs).items() if k != "num_shards"} != base:
+        if {k: v for k, v in dict(group.attrs).items() if k not in per_part} != base:
             raise ValueError(f"{part}: raw-store attrs differ from {parts[0]}'s")
     names = [(Path(part), name) for part, group in zip(parts, groups, strict=True)
              for name in sorted(k for k in group.group_keys() if k.startswith("shard-"))]
     root = zarr.open_group(str(path), mode="w")
-    root.attrs.update({**base, "num_shards": len(names)})
+    root_attrs = {**base, "num_shards": len(names)}
+    if trajectories is not None:
+        root_attrs["trajectories"] = dict(trajectories)
+    root.attrs.update({**root_attrs, ATTRS_DIGEST: attrs_digest(root_attrs)})
     for i, (part, name) in enumerate(names):
         (part / name).rename(path / f"shard-{i:05d}")
     return len(names)

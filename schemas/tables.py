@@ -2,10 +2,19 @@
 
 Every table carries `schema_version`, its kind and the producing config (JSON) in its schema metadata.
 Readers validate columns, types and version and fail with one line naming the file and the field.
+
+Integrity (issue 24): the metadata also carries `data_digest`, the SHA-256 of the table's data (the Arrow IPC
+stream of its columns, metadata stripped, chunks combined: the same bytes for the same values however the file
+is chunked) and of its other metadata (version, kind, config), and `read_table` recomputes it: a flipped byte
+in any value or in the config is one line naming the file, not a wrong reward or token read as valid. (A flip
+in the file's alignment padding changes no value and is read as the same table.) `trajectories_binding` is the identity the mask stores record (their
+rollout's id and the digest of the columns the rollout sampled), so compaction and the learner refuse masks
+that belong to another rollout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -71,6 +80,56 @@ EVAL_PREDICTIONS_SCHEMA = pa.schema(
 )
 
 KINDS = {"prompts": PROMPTS_SCHEMA, "trajectories": TRAJECTORIES_SCHEMA, "eval_predictions": EVAL_PREDICTIONS_SCHEMA}
+DIGEST_KEY = b"data_digest"
+# What a shadow mask describes: the sampled tokens, their log-probs and the mask row of each trajectory. The
+# reward is left out on purpose: rescoring a rollout (another reward function, a test's toy reward) does not
+# change which keys the rollout saw, so its masks stay valid.
+SAMPLED_COLUMNS = ("trajectory_id", "prompt_id", "group_index", "iteration", "prompt_token_ids",
+                   "response_token_ids", "rollout_logprobs", "eviction_policy", "keep_ratio", "max_tokens",
+                   "mask_row")
+
+
+def _values_digest(table: pa.Table) -> str:
+    """`sha256:<hex>` of a table's values: its columns as one Arrow IPC stream, schema metadata stripped and
+    chunks combined (so the digest depends on the values and types, not on how a file splits them)."""
+    data = table.replace_schema_metadata(None).combine_chunks()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, data.schema) as writer:
+        writer.write_table(data)
+    return "sha256:" + hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+def data_digest(table: pa.Table) -> str:
+    """The `data_digest` of a table: its values (`_values_digest`) and its metadata but the digest itself
+    (schema_version, kind, config), so a changed byte in either is caught."""
+    meta = {k.decode(errors="replace"): v.decode(errors="replace")
+            for k, v in sorted((table.schema.metadata or {}).items()) if k != DIGEST_KEY}
+    body = json.dumps({"values": _values_digest(table), "metadata": meta}, sort_keys=True)
+    return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
+
+
+def trajectories_binding(table: pa.Table) -> dict[str, str]:
+    """The identity a mask store records of the trajectory table it belongs to: `rollout_id` (the iteration, the
+    seed and a digest of the rollout's config: which rollout wrote it) and `digest` (of the sampled columns,
+    `SAMPLED_COLUMNS`: which trajectories exactly)."""
+    config = table_config(table)
+    config_digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    rollout_id = f"iteration-{config.get('iteration', '?')}-seed-{config.get('seed', '?')}-{config_digest}"
+    return {"rollout_id": rollout_id, "digest": _values_digest(table.select(list(SAMPLED_COLUMNS)))}
+
+
+def check_binding(recorded: Any, table: pa.Table, masks_path: str | Path, table_path: str | Path) -> None:
+    """Refuse, with one line naming both files, a mask store whose recorded binding is missing or is not the
+    binding of `table` (masks of another rollout, even one with equal row lengths)."""
+    expected = trajectories_binding(table)
+    if not isinstance(recorded, dict) or not recorded.get("digest"):
+        raise SmdInputError(f"{masks_path}: trajectories: not bound to a trajectory table (no digest recorded); "
+                            f"cannot check it belongs to {table_path}")
+    if recorded.get("digest") != expected["digest"]:
+        raise SmdInputError(
+            f"{masks_path}: trajectories: the masks belong to rollout {recorded.get('rollout_id')} "
+            f"({str(recorded.get('digest'))[:19]}), but {table_path} is rollout {expected['rollout_id']} "
+            f"({expected['digest'][:19]}): masks from another rollout")
 
 
 def write_table(rows: list[dict[str, Any]] | pa.Table, path: str | Path, kind: str, config: dict | None = None) -> Path:
@@ -84,6 +143,7 @@ def write_table(rows: list[dict[str, Any]] | pa.Table, path: str | Path, kind: s
         b"config": json.dumps(config or {}, sort_keys=True, default=str).encode(),
     }
     table = table.replace_schema_metadata(meta)
+    table = table.replace_schema_metadata({**meta, DIGEST_KEY: data_digest(table).encode()})
     validate_table(table, str(path), kind)
     with atomic_path(path) as tmp:
         feather.write_feather(table, str(tmp), compression="uncompressed")
@@ -101,15 +161,18 @@ def read_table(path: str | Path, kind: str) -> pa.Table:
         table.validate(full=True)
     except Exception as exc:  # noqa: BLE001
         raise SmdInputError(f"{path}: not a readable Arrow file ({exc.__class__.__name__})") from exc
-    validate_table(table, str(path), kind)
+    validate_table(table, str(path), kind, verify_digest=True)
     return table
 
 
 def table_config(table: pa.Table) -> dict:
+    """The producing config recorded in a table's metadata ({} when none)."""
     return json.loads((table.schema.metadata or {}).get(b"config", b"{}"))
 
 
-def validate_table(table: pa.Table, source: str, kind: str) -> None:
+def validate_table(table: pa.Table, source: str, kind: str, verify_digest: bool = False) -> None:
+    """Check a table against its kind's contract (one line naming `source` and the field); with
+    `verify_digest`, also that its values hash to the `data_digest` in its metadata (a table read from disk)."""
     schema = KINDS[kind]
     meta = table.schema.metadata or {}
     version = meta.get(b"schema_version")
@@ -139,6 +202,15 @@ def validate_table(table: pa.Table, source: str, kind: str) -> None:
         raise SmdInputError(f"{source}: empty {kind} table")
     if kind == "trajectories":
         _validate_trajectories(table, source)
+    # last: a table that breaks the contract gets the field's message; one that keeps it, whether its values
+    # are the ones written
+    if verify_digest:
+        recorded = meta.get(DIGEST_KEY)
+        if recorded is None:
+            raise SmdInputError(f"{source}: data_digest: missing from metadata (written without smd's digest)")
+        if recorded != data_digest(table).encode():
+            raise SmdInputError(f"{source}: data_digest: the values do not match the recorded digest (the file is "
+                                "damaged: a changed byte)")
 
 
 def _validate_trajectories(table: pa.Table, source: str) -> None:

@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 from schemas.atomic import atomic_path, is_foreign_dir
 from schemas.errors import SmdInputError
 from schemas.params.model import DEVICE_CHOICES, DEVICE_PATTERN, ModelParams, TinyModelParams
+from schemas.weights import verify_weights_digest, write_weights_digest
 from stages.vocab import bpe_training_corpus, tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
@@ -138,6 +139,7 @@ def init_tiny_model(shape: TinyModelParams, out_dir: str | Path, seed: int = 0) 
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        write_weights_digest(tmp)
     return Path(out_dir)
 
 
@@ -260,6 +262,7 @@ def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: s
     path = Path(path)
     if not (path / "config.json").exists():
         raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
+    verify_weights_digest(path)  # a flipped byte in a weight: one line, before the weights are read
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=DTYPES[dtype], attn_implementation=attn_implementation
@@ -289,6 +292,7 @@ def load_policy_config(path: str | Path):
     path = Path(path)
     if not (path / "config.json").exists():
         raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
+    verify_weights_digest(path)  # the caller's engine (vLLM) reads these weights next: check them first
     try:
         return AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - any loader failure is a bad artifact

@@ -22,7 +22,7 @@ import numpy as np
 
 from schemas.masks import budget, write_raw_masks
 from schemas.params.rollout import EvictionParams
-from schemas.tables import write_table
+from schemas.tables import read_table, trajectories_binding, write_table
 
 
 def budget_table(T: int, eviction: dict[str, Any]) -> np.ndarray:
@@ -170,5 +170,6 @@ def write_synthetic_inputs(
     """Write trajectories.arrow and a raw store into `directory`; returns their paths."""
     directory = Path(directory)
     traj = write_table(table, directory / "trajectories.arrow", "trajectories", {"rollout": {"eviction": eviction}})
-    raw = write_raw_masks(directory / raw_name, shards, num_layers, num_kv_heads, eviction)
+    raw = write_raw_masks(directory / raw_name, shards, num_layers, num_kv_heads, eviction,
+                          trajectories_binding(read_table(traj, "trajectories")))
     return traj, raw

@@ -22,7 +22,7 @@ from schemas.mask_store import (
 from schemas.masks import visibility, write_raw_masks
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
-from schemas.tables import write_table
+from schemas.tables import read_table, trajectories_binding, write_table
 from stages.compaction import compact
 from stages.synthetic_rollouts import eviction_config
 from tests.helpers import empty_params, make_inputs
@@ -156,7 +156,7 @@ def test_reads_only_needed_chunks(tmp_path):
 def test_shard_order_independent_bytes(tmp_path):
     inp = _inputs(tmp_path, "random", num_shards=3)
     raw2 = tmp_path / "in" / "masks.raw.reversed.zarr"
-    write_raw_masks(raw2, list(reversed(inp["shards"])), L, H, inp["eviction"])
+    write_raw_masks(raw2, list(reversed(inp["shards"])), L, H, inp["eviction"], _binding(inp))
     a = compact(CompactionParams(), inp["trajectories"], inp["raw"], tmp_path / "a" / "masks.zarr")
     b = compact(CompactionParams(), inp["trajectories"], raw2, tmp_path / "b" / "masks.zarr")
     assert _tree(a["masks"]) == _tree(b["masks"])
@@ -182,9 +182,16 @@ def _assert_rejected(tmp_path, inp, match: str, traj=None, raw=None) -> str:
     return msg
 
 
-def _rewrite_raw(inp, shards=None, eviction=None):
-    """Rewrite the raw store from (possibly modified) shards."""
-    write_raw_masks(inp["raw"], shards or inp["shards"], L, H, eviction or inp["eviction"])
+def _binding(inp, table=None) -> dict[str, str]:
+    """The binding of the input's trajectory table, or of the table at `table` (what the rollout records in its
+    raw store)."""
+    return trajectories_binding(read_table(table or inp["trajectories"], "trajectories"))
+
+
+def _rewrite_raw(inp, shards=None, eviction=None, bound_to=None):
+    """Rewrite the raw store from (possibly modified) shards, bound to the input's trajectory table (or to the
+    table at `bound_to`: the structural checks behind the binding see an edited table)."""
+    write_raw_masks(inp["raw"], shards or inp["shards"], L, H, eviction or inp["eviction"], _binding(inp, bound_to))
 
 
 def _tid_of_mask_row(inp, m: int) -> str:
@@ -230,6 +237,8 @@ def test_reject_wrong_row_count(tmp_path):
     inp = _inputs(tmp_path, "recent", permute=False)
     short = tmp_path / "short.arrow"
     write_table(inp["table"][:-1], short, "trajectories")
+    _assert_rejected(tmp_path, inp, "masks from another rollout", traj=short)
+    _rewrite_raw(inp, bound_to=short)  # bound to the short table: the row count check behind the binding
     _assert_rejected(tmp_path, inp, "5 mask rows in 2 shard.* but .* has 4 trajectories", traj=short)
 
 
@@ -240,6 +249,7 @@ def test_reject_row_length_mismatch(tmp_path):
     rows[2]["rollout_logprobs"] = rows[2]["rollout_logprobs"] + [-1.0]
     bad = tmp_path / "longer.arrow"
     write_table(rows, bad, "trajectories")
+    _rewrite_raw(inp, bound_to=bad)
     msg = _assert_rejected(tmp_path, inp, "tokens but the trajectory has", traj=bad)
     assert f"trajectory {rows[2]['trajectory_id']}" in msg
 
@@ -249,6 +259,26 @@ def test_reject_prompt_len_mismatch(tmp_path):
     inp["shards"][0]["prompt_len"][0] += 1
     _rewrite_raw(inp)
     _assert_rejected(tmp_path, inp, "prompt_len .* but the trajectory's prompt has")
+
+
+def test_reject_raw_masks_of_another_rollout_with_equal_row_lengths(tmp_path):
+    """Issue 24: a raw store from another rollout whose rows have the same lengths (the same prompts and response
+    lengths, another policy's tokens and masks) passes every structural check; its recorded binding does not."""
+    inp = _inputs(tmp_path, "snapkv", permute=False)
+    other = make_inputs(tmp_path / "other", "snapkv", LENGTHS, PROMPTS, num_layers=L, num_kv_heads=H,
+                        num_shards=2, seed=1, permute=False)
+    ours, theirs = read_table(inp["trajectories"], "trajectories"), read_table(other["trajectories"], "trajectories")
+    assert ours.column("response_token_ids") != theirs.column("response_token_ids")  # another rollout's tokens
+    assert [len(x) for x in ours.column("response_token_ids").to_pylist()] == [
+        len(x) for x in theirs.column("response_token_ids").to_pylist()]
+    msg = _assert_rejected(tmp_path, inp, "masks from another rollout", raw=other["raw"])
+    assert str(other["raw"]) in msg and str(inp["trajectories"]) in msg  # both files named
+    unbound = tmp_path / "unbound.raw.zarr"
+    write_raw_masks(unbound, inp["shards"], L, H, inp["eviction"])  # no binding at all: refused too
+    _assert_rejected(tmp_path, inp, "not bound to a trajectory table", raw=unbound)
+    # the structural checks alone would accept the other rollout's masks: only the binding tells them apart
+    _rewrite_raw(inp, shards=other["shards"])
+    _compact(tmp_path, inp)
 
 
 def test_reject_shard_from_another_config(tmp_path):

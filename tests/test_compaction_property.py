@@ -13,6 +13,7 @@ from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.masks import visible_counts, write_raw_masks
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
+from schemas.tables import read_table, trajectories_binding
 from stages.compaction import compact
 from stages.synthetic_rollouts import (
     budget_table,
@@ -84,7 +85,8 @@ def test_lossless_and_shard_order_independent(case):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         traj, raw = write_synthetic_inputs(tmp, table, shards, ev, L, H)
-        raw2 = write_raw_masks(tmp / "other.raw.zarr", reordered, L, H, ev)
+        raw2 = write_raw_masks(tmp / "other.raw.zarr", reordered, L, H, ev,
+                               trajectories_binding(read_table(traj, "trajectories")))
         a = compact(cfg, traj, raw, tmp / "a" / "masks.zarr")["masks"]
         b = compact(cfg, traj, raw2, tmp / "b" / "masks.zarr")["masks"]
         assert _tree(a) == _tree(b)

@@ -246,7 +246,7 @@ def corrupt_store(src: Path, dst: Path, shift: int = 1) -> Path:
     return write_mask_store(dst, evict_at=bad, offsets=store.offsets, prompt_len=store.prompt_len,
                             table_row=store.table_row, column_map=store.column_map,
                             eviction=store.attrs["eviction"], config=store.attrs["config"],
-                            retention=store.attrs["retention"])
+                            retention=store.attrs["retention"], trajectories=store.attrs["trajectories"])
 
 
 def assert_nothing_written(tmp_path: Path, model_dir: Path, digest: str) -> None:

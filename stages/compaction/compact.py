@@ -1,7 +1,8 @@
 """Raw shadow masks (rollout shards) -> the learner-ready compacted store (`schemas.mask_store`).
 
-Steps: read the trajectory table and every raw shard; check that shards agree on the eviction config
-and shape and match the table (row count, mask_row permutation, row and prompt lengths, eviction
+Steps: read the trajectory table and every raw shard; check that the raw store is bound to this table (its
+recorded rollout id and digest, `schemas.tables.trajectories_binding`: masks of another rollout are refused even
+when their row lengths match); check that shards agree on the eviction config and shape and match the table (row count, mask_row permutation, row and prompt lengths, eviction
 config); assemble rows in store order (store row r = mask_row r, so the result does not depend on the
 shard order); deduplicate identical layer/head columns; validate the encoding (evict_at[k] in [k+1, T],
 the budget at every decode query); compute per layer/head retention statistics; write atomically.
@@ -23,7 +24,7 @@ from schemas.mask_store import RETENTION_STATS, narrowest_dtype, store_nbytes, w
 from schemas.masks import budget, read_raw_masks, visible_counts
 from schemas.metrics import write_metrics
 from schemas.params.compaction import CompactionParams
-from schemas.tables import read_table, table_config
+from schemas.tables import check_binding, read_table, table_config, trajectories_binding
 
 HEADLINE = ("rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s")
 
@@ -207,6 +208,7 @@ def compact(
     metrics_path = Path(metrics_path) if metrics_path is not None else out_path.parent / "metrics.json"
     table = read_table(traj_path, "trajectories")
     attrs, shards = read_raw_masks(raw_path)
+    check_binding(attrs.get("trajectories"), table, raw_path, traj_path)
     eviction = dict(attrs["eviction"])
     L, H = int(attrs["num_layers"]), int(attrs["num_kv_heads"])
     info = _table_info(table, str(traj_path), eviction)
@@ -243,6 +245,7 @@ def compact(
         retention=retention,
         chunk_rows=cfg.chunk_rows,
         compression_level=cfg.compression_level,
+        trajectories=trajectories_binding(table),
     )
     seconds = time.perf_counter() - t0
     tokens = int(offsets[-1])

@@ -17,7 +17,7 @@ import torch
 from schemas.errors import SmdInputError
 from schemas.mask_store import MaskStore, open_mask_store, read_mask_rows
 from schemas.params.learner import LearnerParams
-from schemas.tables import read_table, table_config
+from schemas.tables import check_binding, read_table, table_config
 from stages.learner.metrics import check_finite
 from stages.learner.objectives import group_advantages
 from stages.learner.shadow_attention import pad_evict_at
@@ -133,6 +133,7 @@ def load_learner_data(
         if masks_path is None:
             raise SmdInputError("the shadow-masked objectives need the compacted mask store (masks.zarr)")
         data.store = open_mask_store(masks_path)
+        check_binding(data.store.attrs.get("trajectories"), table, masks_path, traj_path)
         _check_store(data.store, data, num_layers, num_kv_heads)
     return data
 

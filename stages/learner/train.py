@@ -52,6 +52,7 @@ from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
 from schemas.params import Params, format_validation_error
 from schemas.params.learner import LearnerParams
+from schemas.weights import write_weights_digest
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
 from stages.learner.engine import (
     TRAINER_STATE,
@@ -535,6 +536,7 @@ def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: di
             tmp.mkdir(parents=True, exist_ok=True)
             run.module.save_pretrained(tmp)
             run.tokenizer.save_pretrained(tmp)
+            write_weights_digest(tmp)
         if ctx.world > 1:
             dist.barrier()
         save_trainer_state(run.engine, tmp / TRAINER_STATE, meta, ctx)

@@ -27,7 +27,7 @@ from schemas.errors import SmdInputError
 from schemas.masks import merge_raw_stores, write_raw_masks
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
-from schemas.tables import TRAJECTORIES_SCHEMA, read_table, write_table
+from schemas.tables import TRAJECTORIES_SCHEMA, read_table, trajectories_binding, write_table
 from stages.distributed import agree, attempt, batch_seed, my_batches, worker_context, write_collectively
 from stages.kvcache.engine import SampleResult, generate_batch
 from stages.model import check_positions, load_policy, load_policy_config, load_tokenizer
@@ -106,7 +106,9 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
                 for r in feather.read_table(str(parts / f"trajectories-{rank:05d}.arrow")).to_pylist()]
         rows.sort(key=lambda r: r["mask_row"])
         write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
-        merge_raw_stores([parts / f"masks-{rank:05d}.raw.zarr" for rank in range(ctx.world)], tmp / "masks.raw.zarr")
+        binding = trajectories_binding(read_table(tmp / "trajectories.arrow", "trajectories"))  # masks <-> this table
+        merge_raw_stores([parts / f"masks-{rank:05d}.raw.zarr" for rank in range(ctx.world)], tmp / "masks.raw.zarr",
+                         binding)
         shutil.rmtree(parts)
         # Wall time of the parallel phase: the slowest process's (they start together after `agree`).
         metrics = rollout_metrics(rows, iteration, max(s["seconds"] for s in summaries))

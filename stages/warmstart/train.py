@@ -24,6 +24,7 @@ from schemas.params.model import ModelParams
 from schemas.params.warmstart import WarmstartParams
 from schemas.rewards import exact_match, metric_name, score
 from schemas.tables import read_table
+from schemas.weights import write_weights_digest
 from stages.model import (
     check_positions,
     load_policy,
@@ -318,4 +319,5 @@ def write_warmstart(out_dir: Path, model, tokenizer, metrics: dict[str, Any],
     with atomic_path(policy) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        write_weights_digest(tmp)
     return {"policy": policy, **write_metrics(out_dir / "metrics.json", metrics, HEADLINE, config)}
