@@ -62,38 +62,57 @@ def test_hand_example_with_padding():
 
 
 def test_truncated_weights_under_verl_names():
-    # token ratios 3, 1/3, 1 with cap C = 2: rollout_is_* truncate above at C (verl's truncate mode), the ESS
-    # clamps to [1/C, C]: [2, 1/2, 1], mean 7/6, 1 / mean((w / mean)^2) = (7/6)^2 / ((4 + 1/4 + 1) / 3)
+    # token ratios 3, 1/3, 1 with cap C = 2: rollout_is_* truncate above at C (verl's truncate mode). The ESS:
+    # verl 0.9.1 (the default) clamps the truncated weights to [0, C]: [2, 1/3, 1], mean 10/9,
+    # 1 / mean((w / mean)^2) = (10/9)^2 / ((4 + 1/9 + 1) / 3); verl <= 0.8 clamped to [1/C, C]: [2, 1/2, 1]
     m = mismatch_metrics(T([[LN(3.0), -LN(3.0), 0.0]]), torch.zeros(1, 3), torch.ones(1, 3), cap=2.0)
     assert m["mismatch/token_ratio_max"] == pytest.approx(3.0) and m["mismatch/rollout_is_max"] == pytest.approx(2.0)
     assert m["mismatch/rollout_is_min"] == pytest.approx(1 / 3)
     assert m["mismatch/rollout_is_mean"] == pytest.approx((2 + 1 / 3 + 1) / 3)
-    assert m["mismatch/rollout_is_eff_sample_size"] == pytest.approx((7 / 6) ** 2 / (5.25 / 3))
+    assert m["mismatch/rollout_is_eff_sample_size"] == pytest.approx((10 / 9) ** 2 / ((4 + 1 / 9 + 1) / 3))
+    old = mismatch_metrics(T([[LN(3.0), -LN(3.0), 0.0]]), torch.zeros(1, 3), torch.ones(1, 3), cap=2.0,
+                           verl_rule="0.8")
+    assert old["mismatch/rollout_is_eff_sample_size"] == pytest.approx((7 / 6) ** 2 / (5.25 / 3))
+    assert {k: v for k, v in old.items() if k != "mismatch/rollout_is_eff_sample_size"} == {
+        k: v for k, v in m.items() if k != "mismatch/rollout_is_eff_sample_size"}  # only the ESS rule changed
     with pytest.raises(SmdInputError, match="cap"):
         mismatch_metrics(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), cap=0.5)
+    with pytest.raises(SmdInputError, match="verl_rule"):
+        mismatch_metrics(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), verl_rule="0.7")
 
 
-def _verl_ess(learner, rollout, mask, cap):
-    """verl's rollout_is_eff_sample_size, written independently (numpy, flat over the valid tokens): token
-    weights w = exp(log pi_old - log pi_rollout) clamped to [1/cap, cap], w_norm = w / mean(w),
-    ESS = 1 / mean(w_norm^2)."""
+def _verl_is_metrics(learner, rollout, mask, cap, version="0.9.1"):
+    """verl's token-level TIS metrics (`compute_rollout_correction_weights` -> `compute_is_metrics` in
+    verl/trainer/ppo/rollout_corr_helper.py), written independently in numpy over the valid tokens, float64:
+    w = min(exp(clip(log pi_old - log pi_rollout, -20, 20)), cap); rollout_is_mean/min/max of w;
+    ESS = 1 / mean((w_e / (mean(w_e) + 1e-8))^2) with w_e = clip(w, 0, cap) in verl 0.9.1 and
+    clip(w, 1/cap, cap) in verl 0.8."""
     import numpy as np
 
     lr = (learner.numpy().astype(np.float64) - rollout.numpy().astype(np.float64))[mask.numpy().astype(bool)]
-    w = np.clip(np.exp(lr), 1.0 / cap, cap)
-    w_norm = w / w.mean()
-    return 1.0 / np.mean(w_norm**2)
+    w = np.minimum(np.exp(np.clip(lr, -20.0, 20.0)), cap)
+    w_e = np.clip(w, 0.0 if version == "0.9.1" else 1.0 / cap, cap)
+    ess = 1.0 / np.mean((w_e / (w_e.mean() + 1e-8)) ** 2)
+    return {"rollout_is_mean": w.mean(), "rollout_is_min": w.min(), "rollout_is_max": w.max(),
+            "rollout_is_eff_sample_size": ess}
 
 
+@pytest.mark.parametrize("version", ["0.9.1", "0.8"])
 @pytest.mark.parametrize("seed,cap", [(0, 2.0), (1, 1.5), (2, 5.0)])
-def test_ess_matches_an_independent_implementation_of_verls_rule(seed, cap):
+def test_is_metrics_match_an_independent_implementation_of_verls_rule(seed, cap, version):
     g = torch.Generator().manual_seed(seed)
     learner = torch.randn(8, 12, generator=g) * 0.7 - 1.0
     rollout = torch.randn(8, 12, generator=g) * 0.7 - 1.0
     mask = torch.rand(8, 12, generator=g) > 0.3
-    m = mismatch_metrics(learner, rollout, mask, cap=cap)
-    assert m["mismatch/rollout_is_eff_sample_size"] == pytest.approx(_verl_ess(learner, rollout, mask, cap), rel=1e-9)
+    m = mismatch_metrics(learner, rollout, mask, cap=cap, verl_rule=version)
+    want = _verl_is_metrics(learner, rollout, mask, cap, version)
+    for name, value in want.items():
+        # smd divides by mean(w) exactly, verl by mean(w) + 1e-8: 1e-8 / mean(w) relative, mean(w) ~ 0.5 here
+        assert m[f"mismatch/{name}"] == pytest.approx(value, rel=1e-7), name
     assert 0 < m["mismatch/rollout_is_eff_sample_size"] <= 1
+    # ratios below 1/cap occur here, so the two versions' ESS differ (the test can tell them apart)
+    other = _verl_is_metrics(learner, rollout, mask, cap, "0.8" if version == "0.9.1" else "0.9.1")
+    assert abs(m["mismatch/rollout_is_eff_sample_size"] - other["rollout_is_eff_sample_size"]) > 1e-4
 
 
 def test_kl_direction_is_rollout_to_learner():

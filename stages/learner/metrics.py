@@ -1,7 +1,14 @@
 """Rollout/learner mismatch metrics and a finiteness guard.
 
 Names: where a metric carries verl's name (`rollout_corr/*` in verl's rollout-correction helper) it has
-verl's definition; quantities verl does not define get names of their own (token_ratio_*, seq_kish_ess).
+verl's definition, by version: smd follows verl 0.9.1 (`verl/trainer/ppo/rollout_corr_helper.py`,
+`compute_rollout_correction_weights` -> `compute_is_metrics`, token level, a single threshold C = TIS) by
+default; `VERL_RULES` names the versions whose rules differ. Quantities verl does not define get names of
+their own (token_ratio_*, seq_kish_ess).
+
+verl's ESS by version: up to 0.8 (e.g. 0.8.0.dev, Jan 2026) `rollout_is_eff_sample_size` clamps the token
+weights to [1/C, C] before normalising; 0.9.1 clamps the applied (already truncated) weights to [0, C], so the
+ESS is that of the weights the loss uses, min(w, C). The two differ whenever a ratio falls below 1/C.
 
 Direction: the samples come from the rollout policy, so the KL estimated on them is
 KL(pi_rollout || pi_learner) = E_{o ~ pi_rollout}[log pi_rollout(o) - log pi_learner(o)].
@@ -19,7 +26,13 @@ from torch import Tensor
 
 from schemas.errors import SmdInputError
 
-__all__ = ["mismatch_metrics", "check_finite"]
+__all__ = ["mismatch_metrics", "check_finite", "VERL_RULES", "DEFAULT_VERL_RULE"]
+
+# verl version -> the lower clamp of the ESS weights as a function of the cap C (the upper clamp is C in both)
+VERL_RULES = {"0.9.1": lambda cap: 0.0, "0.8": lambda cap: 1.0 / cap}
+DEFAULT_VERL_RULE = "0.9.1"
+# verl's SAFETY_BOUND: log-ratios are clamped to [-20, 20] before exp (rollout_corr_helper.py)
+SAFETY_BOUND = 20.0
 
 
 def check_finite(name: str, tensor: Tensor, mask: Tensor | None = None) -> None:
@@ -54,7 +67,8 @@ NEUTRAL = {
 }
 
 
-def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0) -> dict[str, float]:
+def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0,
+                     verl_rule: str = DEFAULT_VERL_RULE) -> dict[str, float]:
     """Mismatch between the learner's and the rollout's log-probs of the sampled tokens, `[B, T]` each.
 
     With d_t = learner_logp_t - rollout_logp_t over valid tokens (token means over all valid tokens):
@@ -69,10 +83,13 @@ def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c
                                        weights w_i = exp(sum_t d_it): (sum w)^2 / (N sum w^2) in (0, 1], over
                                        the N sequences with at least one valid token (log space, no overflow)
       mismatch/rollout_is_{mean,min,max}  verl's rollout_is_* (token level, truncate mode): the token weights
-                                       min(exp(d_t), cap)
+                                       min(exp(d_t), cap) (d_t clamped to verl's +-20 first)
       mismatch/rollout_is_eff_sample_size  verl's rollout_is_eff_sample_size: with the token weights clamped to
-                                       [1/cap, cap] and w_norm = w / mean(w), 1 / mean(w_norm^2) in (0, 1]
+                                       [lower, cap] and w_norm = w / mean(w), 1 / mean(w_norm^2) in (0, 1];
+                                       lower = 0 (verl 0.9.1, the default) or 1/cap (verl <= 0.8), `verl_rule`
     `cap` is verl's rollout_is_threshold (learner.tis_cap). Python floats. No valid token gives `NEUTRAL`.
+    (verl divides by mean(w) + 1e-8 and does not cap the ESS at 1; smd divides by mean(w) exactly and caps
+    float rounding above 1: the two differ by < 1e-7 relative for the weights here, mean(w) >= exp(-20).)
     """
     if learner_logp.shape != rollout_logp.shape or mask.shape != learner_logp.shape:
         raise SmdInputError(
@@ -81,6 +98,8 @@ def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c
         )
     if not cap >= 1:
         raise SmdInputError(f"mismatch_metrics: cap must be >= 1, got {cap}")
+    if verl_rule not in VERL_RULES:
+        raise SmdInputError(f"mismatch_metrics: verl_rule {verl_rule!r}: expected one of {sorted(VERL_RULES)}")
     valid = mask if mask.dtype == torch.bool else mask != 0
     if not valid.any():
         return dict(NEUTRAL)
@@ -93,9 +112,8 @@ def mismatch_metrics(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c
         seq_log_w = d_full.sum(dim=-1)[valid.any(dim=-1)]
         n = seq_log_w.numel()
         log_ess = 2 * torch.logsumexp(seq_log_w, 0) - math.log(n) - torch.logsumexp(2 * seq_log_w, 0)
-        log_cap = math.log(cap)
-        truncated = torch.exp(d.clamp(max=log_cap))
-        w = torch.exp(d.clamp(-log_cap, log_cap))
+        truncated = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND)).clamp(max=cap)  # verl's applied TIS weights
+        w = truncated.clamp(min=VERL_RULES[verl_rule](cap), max=cap)
         w_norm = w / w.mean()
         return {
             "mismatch/kl": float((-d).mean()),
