@@ -111,8 +111,9 @@ def bench_engine_cmd(
 
 @bench_app.command("learner")
 def bench_learner_cmd(
-    shape: Annotated[str, typer.Option(help="Model shape: tiny (the default model) or qwen3-vocab (Qwen3's "
-                                            "151,936-token vocabulary and 16 q / 8 kv heads on a small body).")] = "tiny",
+    shape: Annotated[str, typer.Option(help="Model shape: tiny (the default model), qwen3-vocab (Qwen3's "
+                                            "151,936-token vocabulary and 16 q / 8 kv heads on a small body) or "
+                                            "qwen3-1.7b (Qwen3-1.7B's config: a GPU shape).")] = "tiny",
     lengths: Annotated[str | None, typer.Option(help="Comma-separated sequence lengths T (default: the shape's: "
                                                      "tiny 512,2048,4096; qwen3-vocab 1024,4096).")] = None,
     modes: Annotated[str | None, typer.Option(help="Comma-separated learners: dense,smd_flex,smd_sdpa,smd_gather,"
@@ -121,6 +122,9 @@ def bench_learner_cmd(
     block_size: Annotated[int, typer.Option(help="FlexAttention / gather block size.")] = 128,
     chunk_tokens: Annotated[int | None, typer.Option(help="lm-head chunk (default learner.logit_chunk_tokens).")] = None,
     threads: Annotated[int, typer.Option(help="torch threads per configuration (0 = torch's default).")] = 1,
+    device: Annotated[str, typer.Option(help="model.device's rule: auto (the GPU when CUDA is available), cpu, "
+                                             "cuda, cuda:N.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="On a GPU: float32 or bfloat16.")] = "float32",
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
     from stages.learner.bench import run_learner_bench
@@ -129,7 +133,8 @@ def bench_learner_cmd(
         return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
     guarded(lambda: run_learner_bench([int(x) for x in split(lengths) or []] or None, split(modes), rounds=rounds,
-                                      block_size=block_size, threads=threads, shape=shape, chunk_tokens=chunk_tokens))
+                                      block_size=block_size, threads=threads, shape=shape, chunk_tokens=chunk_tokens,
+                                      device=device, dtype=dtype))
 
 
 def register(app: typer.Typer) -> None:

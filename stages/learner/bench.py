@@ -417,12 +417,19 @@ def _run_child(args: dict[str, Any], env: dict[str, str], timeout_s: int) -> tup
 
 def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int = 128, threads: int = 1,
                       timeout_s: int = 3600, print_fn=print, shape: str = "tiny",
-                      chunk_tokens: int | None = None) -> list[dict[str, Any]]:
+                      chunk_tokens: int | None = None, device: str = "cpu",
+                      dtype: str = "float32") -> list[dict[str, Any]]:
     """Per T: one subprocess times every learner (interleaved rounds), one subprocess per learner measures its
     peak memory. Prints the table and the targets; returns the rows. `lengths` / `modes` None: the shape's
-    defaults (`SHAPE_DEFAULTS`)."""
+    defaults (`SHAPE_DEFAULTS`). `device` (model.device's values): a GPU runs every learner in this process
+    (`measure_steps`: CUDA's peak allocation per step needs no process per learner), in `dtype`."""
     from schemas.errors import SmdInputError
     from schemas.params.learner import LearnerParams
+    from stages.model import DTYPES, resolve_device
+
+    where = resolve_device(device)
+    if dtype not in DTYPES:
+        raise SmdInputError(f"bench learner: dtype {dtype!r}; choose from {', '.join(DTYPES)}")
 
     if shape not in SHAPES:
         raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
@@ -437,6 +444,20 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
     if not lengths or min(lengths) < 16:
         raise SmdInputError("bench learner: lengths must be >= 16 tokens")
     chunk_tokens = chunk_tokens or LearnerParams().logit_chunk_tokens
+    if where.type == "cuda":
+        print_fn(f"bench learner on {where} ({dtype}): {describe_shape(shape)}, random weights, 1 sequence of T "
+                 f"tokens (prompt 3T/4), SnapKV-like masks keep 0.5; step = forward + backward + AdamW, median of "
+                 f"{rounds} after a warm-up; peak = CUDA allocation during a step minus before it")
+        print_fn(f"{'T':>6}  {'learner':<24}{'step s':>8}{'x dense':>9}{'peak MiB':>10}{'x dense':>9}")
+        rows = measure_steps(shape, lengths, modes, device=str(where), dtype=dtype, rounds=rounds,
+                             block_size=block_size, chunk_tokens=chunk_tokens)
+        for r in rows:
+            if r["status"] != "ok":
+                print_fn(f"{r['T']:>6}  {LABELS[r['mode']]:<24}{r['status']:>8}")
+                continue
+            print_fn(f"{r['T']:>6}  {LABELS[r['mode']]:<24}{r['step_s']:>8.3f}{r['time_ratio']:>8.2f}x"
+                     f"{r['peak_mb']:>10.0f}{r['mem_ratio']:>8.2f}x")
+        return rows
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
