@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from schemas.params.model import TinyModelParams
@@ -120,3 +121,18 @@ def float_bound(dtype: torch.dtype, reduction_size: int, scale: float) -> float:
 def float32_bound(reduction_size: int, scale: float) -> float:
     """`float_bound` for float32 (eps 1.19e-7): the allowance for a float32 result computed in two orders."""
     return float_bound(torch.float32, reduction_size, scale)
+
+
+def cpu_flex_supported() -> bool:
+    """Whether torch.compile can build FlexAttention's CPU kernels here: Inductor needs a vector ISA (AVX2 or
+    better) and has none with `ATEN_CPU_CAPABILITY=default` or on an x86-64 CPU without AVX2; the flex backend's
+    CPU tests skip there (the learner's CPU default, `auto`, is sdpa)."""
+    if torch.cuda.is_available():
+        return True
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return bool(pick_vec_isa())
+
+
+requires_cpu_flex = pytest.mark.skipif(not cpu_flex_supported(), reason="FlexAttention on CPU needs a vector ISA "
+                                       "(AVX2+); Inductor has none with ATEN_CPU_CAPABILITY=default")

@@ -3,10 +3,12 @@
 For each artifact kind a micro pipeline's pristine artifact is copied, damaged (Hypothesis, derandomized), and
 given to the command that reads it in the pipeline: prompts -> rollout, trajectories and raw masks -> compact,
 compacted masks -> learn, policy directory -> rollout, trainer_state -> learn (iteration 2, resuming), metrics
-JSON -> progress, params YAML -> params --write. The contract: exit 0 (the damage left a valid artifact, e.g.
-a flipped weight or reward) or exit 2 with one line naming the damaged file and nothing written; never a
-traceback. Damage that cannot leave a valid artifact (wrong kind, empty file, a removed file, a cut binary file)
-must be refused.
+JSON -> progress, params YAML -> params --write. The contract: exit 0 (the damage left a valid artifact) or
+exit 2 with one line naming the damaged file and nothing written; never a traceback. Damage that cannot leave a
+valid artifact (wrong kind, empty file, a removed file, a cut binary file) must be refused, and so must, since
+the integrity checks (issue 24), a flipped byte in a checksummed file (a weight file, a Zarr chunk: crc32c) and
+another run's masks or trajectories (the mask stores are bound to their table). A flipped byte in an Arrow table
+may be accepted only where it changed no value nor metadata (alignment padding): the data digest covers both.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.feather as feather
 import pytest
 import yaml
 from hypothesis import HealthCheck, Phase, given, settings
@@ -134,12 +137,24 @@ METRICS_FILES = [f"{stage}/{name}" for stage in ("rollout", "learn", "evaluate")
                                                                                              "metrics.json")]
 
 
+def _checksummed(victim: Path) -> bool:
+    """A file whose every byte a checksum covers: weights (weights_digest.json) and Zarr chunks (crc32c)."""
+    return victim.suffix == ".safetensors" or ("/c/" in victim.as_posix() and ".zarr/" in victim.as_posix())
+
+
+def _same_table(damaged: Path, pristine: Path) -> None:
+    """An accepted flip in an Arrow table left its values and metadata as they were."""
+    a, b = feather.read_table(str(damaged)), feather.read_table(str(pristine))
+    assert a.equals(b) and a.schema.metadata == b.schema.metadata, f"{damaged}: a changed table was accepted"
+
+
 def _files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
 
 
-def _damage(data: st.DataObject, reader: Reader, base: Path, work: Path) -> tuple[Path, str, bool]:
-    """Copy the pristine artifact under `work`, damage it; returns (damaged path, description, must refuse)."""
+def _damage(data: st.DataObject, reader: Reader, base: Path, work: Path) -> tuple[Path, str, bool, Callable | None]:
+    """Copy the pristine artifact under `work`, damage it; returns (damaged path, description, must refuse, a
+    check of an accepted artifact or None)."""
     if reader.copy_root:  # the artifact lives inside a directory the command reads as a whole
         shutil.copytree(base / reader.copy_root, work / "iter-001", symlinks=True)
         rel = data.draw(st.sampled_from(METRICS_FILES)) if reader is READERS["metrics"] else reader.artifact
@@ -154,6 +169,12 @@ def _damage(data: st.DataObject, reader: Reader, base: Path, work: Path) -> tupl
         source = base / reader.artifact
         target = work / source.name
         (shutil.copytree if source.is_dir() else shutil.copyfile)(source, target)
+    def pristine_of(victim: Path) -> Path:
+        """The pristine copy of a file of the damaged artifact."""
+        if reader.copy_root:
+            return base / reader.copy_root / victim.relative_to(target.parents[len(Path(rel).parts) - 1])
+        return base / reader.artifact / victim.relative_to(target) if target.is_dir() else base / reader.artifact
+
     how = data.draw(st.sampled_from(["truncate", "flip", "wrong kind"] + (["remove a file"] if target.is_dir() else [])))
     files = _files(target)
     if how == "wrong kind":
@@ -170,33 +191,34 @@ def _damage(data: st.DataObject, reader: Reader, base: Path, work: Path) -> tupl
         else:  # another artifact; "other run:" one of the same kind from another rollout (it may well fit)
             source = base / other.removeprefix("other run:")
             (shutil.copytree if source.is_dir() else shutil.copyfile)(source, target)
-            if other.startswith("other run:"):
-                return target, f"another run's artifact: {other}", False
-        return target, f"{how}: {other}", True
+            if other.startswith("other run:"):  # bound to another table (or another table of the masks)
+                return target, f"another run's artifact: {other}", True, None
+        return target, f"{how}: {other}", True, None
     victim = data.draw(st.sampled_from(files))
     name = victim.relative_to(target.parent).as_posix()
     if how == "remove a file":
         victim.unlink()
-        return target, f"{how}: {name}", victim.name not in OPTIONAL
+        return target, f"{how}: {name}", victim.name not in OPTIONAL, None
     blob = bytearray(victim.read_bytes())
     if how == "truncate":
         keep = data.draw(st.integers(0, max(len(blob) - 1, 0)))
         victim.write_bytes(bytes(blob[:keep]))
         # a text file cut at its end may still parse; a binary file, a marker or a JSON object cut short may not
-        return target, f"{how}: {name} at {keep}/{len(blob)}", victim.suffix in BINARY
+        return target, f"{how}: {name} at {keep}/{len(blob)}", victim.suffix in BINARY, None
     offsets = data.draw(st.lists(st.integers(0, max(len(blob) - 1, 0)), min_size=1, max_size=4))
     for offset in offsets:
         if blob:
             blob[offset] ^= data.draw(st.integers(1, 255))
     victim.write_bytes(bytes(blob))
-    return target, f"{how}: {name} at {offsets}", False
+    check = (lambda: _same_table(victim, pristine_of(victim))) if victim.suffix == ".arrow" else None
+    return target, f"{how}: {name} at {offsets}", _checksummed(victim), check
 
 
 def _check(reader_name: str, data: st.DataObject, base: Path) -> None:
     reader = READERS[reader_name]
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         work = Path(tmp)
-        target, what, must_refuse = _damage(data, reader, base, work)
+        target, what, must_refuse, check_accepted = _damage(data, reader, base, work)
         out = work / "out"
         before = sorted(p.relative_to(work).as_posix() for p in work.rglob("*"))
         res = _invoke(reader.command(base, target, out))
@@ -206,6 +228,8 @@ def _check(reader_name: str, data: st.DataObject, base: Path) -> None:
         assert "Traceback" not in res.output, f"{reader_name} ({what}): {res.output[-3000:]}"
         if res.exit_code == 0:
             assert not must_refuse, f"{reader_name} ({what}): accepted"
+            if check_accepted is not None:
+                check_accepted()
             TALLY[reader_name][f"{what.split(':')[0]}: accepted (still a valid artifact)"] += 1
             return
         TALLY[reader_name][f"{what.split(':')[0]}: refused"] += 1

@@ -26,7 +26,7 @@ from stages.learner.data import load_learner_data
 from stages.learner.train import HEADLINE, learn, score_rows
 from stages.model import load_policy
 from stages.rollout.stage import rollout
-from tests.helpers import empty_params, make_model_dir, random_prompts
+from tests.helpers import empty_params, make_model_dir, random_prompts, requires_cpu_flex
 
 TOL = 1e-5
 BASE = {
@@ -335,6 +335,7 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
     assert_nothing_written(tmp_path, model_dir, digest)
 
 
+@requires_cpu_flex
 def test_flex_and_tiled_backends_learn_like_sdpa(tmp_path, setup):
     """The FlexAttention learner (block mask from evict_at, CPU block-sparse backward) and the tiled one (CPU
     flash-attention kernel per query tile, forward and backward) pass the parity gate and make the same update

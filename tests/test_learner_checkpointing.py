@@ -23,7 +23,7 @@ from stages.learner.shadow_attention import (
 from stages.learner.train import learn
 from stages.model import load_policy
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir
+from tests.helpers import make_model_dir, requires_cpu_flex
 from tests.test_learner import TOL, make_iteration, make_params, make_prompts, max_param_diff, params_of
 
 
@@ -68,7 +68,7 @@ def _smd_grads(model, batch, backend: str, checkpointing: bool):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, calls["backward"]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("flex", marks=requires_cpu_flex), "tiled"])
 def test_checkpointed_layers_give_the_same_gradients(tmp_path, backend):
     model_dir = make_model_dir(tmp_path, "gqa")
     batch = _batch()

@@ -22,7 +22,7 @@ from stages.learner.flex_backend import (
 from stages.learner.shadow_attention import pad_evict_at
 from stages.learner.train import learn
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir
+from tests.helpers import make_model_dir, requires_cpu_flex
 from tests.test_learner import TOL, make_iteration, make_params, make_prompts, max_param_diff, params_of
 
 
@@ -32,6 +32,7 @@ def test_cpu_flex_codegen_patch_is_in_place():
     assert _patch_cpu_flex_symbol_names()
 
 
+@requires_cpu_flex
 def test_flex_eight_rows_shorter_than_one_block_equal_sdpa():
     """The shape that failed to compile without the patch (8 rows of 93-100 tokens, SnapKV-like evictions from
     position ~64, default block 128, 4 query / 2 KV heads): FlexAttention equals the SDPA reference."""
@@ -53,6 +54,7 @@ def test_flex_eight_rows_shorter_than_one_block_equal_sdpa():
 
 
 @pytest.mark.slow
+@requires_cpu_flex
 def test_flex_learn_stage_short_and_long_sequences(tmp_path):
     """Rollout + compaction on prompts shorter and longer than one block, then `learn` with the flex backend at
     the default block size: the parity gate passes (<= 1e-5) and the update equals the SDPA reference's."""

@@ -19,7 +19,7 @@ from stages.learner.flex_backend import (
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.model import load_policy
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir
+from tests.helpers import make_model_dir, requires_cpu_flex
 
 TOL = 1e-5
 
@@ -66,6 +66,7 @@ def test_block_classification_is_exact(policy):
     assert (~nonempty[:, :, first:]).tril().any()  # some causal blocks are skipped
 
 
+@requires_cpu_flex
 def test_flex_attention_equals_sdpa_forward_and_backward():
     torch.manual_seed(0)
     ev = _evict_at("snapkv", [150, 97], prompt=40, L=1)
@@ -101,6 +102,7 @@ def _model_batch(tmp_path, policy: str, seed: int, ids_seed: int):
     return model, ids, pad_evict_at(rows, T), prompts, [t - p for t, p in zip(lengths, prompts)]
 
 
+@requires_cpu_flex
 def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
     model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
     results = {}
@@ -116,7 +118,7 @@ def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
         assert (results["flex"][1][name] - g).abs().max().item() <= 1e-4 * max(1.0, g.abs().max().item()), name
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "tiled"])
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("flex", marks=requires_cpu_flex), "tiled"])
 def test_shared_prefix_teacher_pass_equals_separate_passes(tmp_path, backend):
     """Policy + teacher over a shared prefill (one prefix pass into a KV cache) == two full forwards."""
     from stages.learner.shadow_attention import response_logits_with_teacher, shared_prefix_length
