@@ -118,3 +118,35 @@ def test_policy_weights_digest_checked_at_load(tmp_path):
         verify_weights_digest(model_dir)
     (model_dir / ".smd-owner").unlink()  # a user's model directory (no marker, no digest) loads as it is
     verify_weights_digest(model_dir)
+
+
+def test_full_disk_during_a_write_is_one_line_and_keeps_the_previous_artifact(tmp_path):
+    """A write that runs out of room (RLIMIT_FSIZE: each file capped, EFBIG as on a full disk) fails with one
+    line; the atomic write leaves the previous store as it was and no temporary behind."""
+    import hashlib
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    inp = _rollout(tmp_path)
+    store = inp["masks"]
+    before = {p.relative_to(store): hashlib.sha256(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
+    limit = max(p.stat().st_size for p in store.rglob("*") if p.is_file()) // 2
+
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "cli.main", "compact", "--trajectories", str(inp["trajectories"]),
+                          "--raw-masks", str(inp["raw"]), "--out", str(store), "--metrics",
+                          str(tmp_path / "m" / "metrics.json")], capture_output=True, text=True, preexec_fn=cap,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: disk full"), res.stderr[-2000:]
+    after = {p.relative_to(store): hashlib.sha256(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
+    assert after == before
+    assert [p.name for p in store.parent.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    assert not (tmp_path / "m").exists()  # nor the metrics of the failed run
