@@ -173,3 +173,21 @@ def test_learner_forward_creates_no_tensor_without_a_device(learner_inputs, back
         # the same kernels on the same inputs: equal up to float32 reassociation of a few-term sum
         assert torch.allclose(got[name], want, rtol=0, atol=8 * torch.finfo(torch.float32).eps * max(
             1.0, float(want.abs().max()))), name
+
+
+def test_reference_nll_creates_no_tensor_without_a_device(learner_inputs, tmp_path):
+    """The reference NLL (warm start and evaluate): its batch is built on the host and copied once."""
+    from stages.model import load_tokenizer, reference_nll_batch
+    from tests.helpers import make_model_dir
+
+    model, _ = learner_inputs
+    tokenizer = load_tokenizer(make_model_dir(tmp_path, "gqa"))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    expected = reference_nll_batch(model, tokenizer, prompts, ["bird 58", "fox 11 ; bear 20"])
+    torch.set_default_device("meta")
+    try:
+        got = reference_nll_batch(model, tokenizer, prompts, ["bird 58", "fox 11 ; bear 20"])
+    finally:
+        torch.set_default_device(None)
+    assert got == pytest.approx(expected, rel=0, abs=8 * torch.finfo(torch.float32).eps * max(map(abs, expected)))
+    assert all(v > 0 for v in got)
