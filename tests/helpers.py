@@ -136,3 +136,24 @@ def cpu_flex_supported() -> bool:
 
 requires_cpu_flex = pytest.mark.skipif(not cpu_flex_supported(), reason="FlexAttention on CPU needs a vector ISA "
                                        "(AVX2+); Inductor has none with ATEN_CPU_CAPABILITY=default")
+
+
+def within_float32_bound(got: torch.Tensor, want: torch.Tensor, reduction_size: int) -> bool:
+    """max |got - want| <= `float32_bound(reduction_size, max(1, max |want|))`: two float32 computations of the
+    same quantity in different orders (another kernel, tile or chunk size, thread count)."""
+    scale = max(1.0, float(want.detach().abs().max()))
+    return float((got.detach() - want.detach()).abs().max()) <= float32_bound(reduction_size, scale)
+
+
+def attention_chain(keys: int, queries: int, head_dim: int) -> int:
+    """Reduction lengths of an attention gradient: the q.k dot product, the softmax over the keys, and the
+    backward's sums over the keys (dq) and over the queries (dk, dv)."""
+    return head_dim + 2 * keys + queries
+
+
+def model_chain(config, tokens: int) -> int:
+    """Reduction lengths a parameter gradient of a causal LM passes through, forward and backward, per layer
+    (attention over `tokens` keys, the projections and the MLP), plus the lm head's log-sum-exp over the
+    vocabulary and the weight gradients' sum over the tokens."""
+    layer = attention_chain(tokens, tokens, config.head_dim) + 3 * config.hidden_size + config.intermediate_size
+    return 2 * config.num_hidden_layers * layer + config.hidden_size + 2 * config.vocab_size + tokens

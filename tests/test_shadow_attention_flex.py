@@ -19,7 +19,13 @@ from stages.learner.flex_backend import (
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.model import load_policy
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir, requires_cpu_flex
+from tests.helpers import (
+    attention_chain,
+    make_model_dir,
+    model_chain,
+    requires_cpu_flex,
+    within_float32_bound,
+)
 
 TOL = 1e-5
 
@@ -83,8 +89,8 @@ def test_flex_attention_equals_sdpa_forward_and_backward():
         assert (out - ref).abs().max().item() <= TOL
         grads = torch.autograd.grad(out, (q, k, v), go)
         refs = torch.autograd.grad(ref, (q, k, v), go)
-        for g, r in zip(grads, refs):
-            assert (g - r).abs().max().item() <= TOL
+        for g, r in zip(grads, refs):  # gradients: float32 in another order, bounded by its reductions
+            assert within_float32_bound(g, r, attention_chain(T, G * T, D))  # dk, dv: over the G query heads too
         with torch.no_grad():  # inference path (no custom backward)
             assert (flex_shadow_attention(q, k, v, ev[0], D**-0.5, masks, 0) - ref).abs().max().item() <= TOL
 
@@ -114,8 +120,9 @@ def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
         logp[valid].sum().backward()
         results[backend] = (sel.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     assert (results["flex"][0] - results["sdpa"][0]).abs().max().item() <= TOL
+    chain = model_chain(model.config, ids.shape[1])
     for name, g in results["sdpa"][1].items():
-        assert (results["flex"][1][name] - g).abs().max().item() <= 1e-4 * max(1.0, g.abs().max().item()), name
+        assert within_float32_bound(results["flex"][1][name], g, chain), name
 
 
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("flex", marks=requires_cpu_flex), "tiled"])
@@ -143,5 +150,6 @@ def test_shared_prefix_teacher_pass_equals_separate_passes(tmp_path, backend):
     assert (m2 - masked)[valid].abs().max().item() <= TOL
     assert (d2 - dense)[valid].abs().max().item() <= TOL
     m2[v2].logsumexp(-1).sum().backward()
+    chain = model_chain(model.config, ids.shape[1])
     for name, g in grads().items():
-        assert (g - ref[name]).abs().max().item() <= TOL, name
+        assert within_float32_bound(g, ref[name], chain), name

@@ -14,6 +14,7 @@ from schemas.masks import visibility
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.learner.tiled_backend import tiled_shadow_attention
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
+from tests.helpers import attention_chain, model_chain, within_float32_bound
 from tests.test_shadow_attention_flex import _model_batch
 
 TOL = 1e-5
@@ -57,9 +58,9 @@ def test_tiled_equals_sdpa_forward_and_backward(policy, heads, suffix, tile):
     grad = torch.randn(B, Hq, Q, D, generator=g)
     ref, ref_grads = _out_and_grads(lambda: _reference(q, k, v, ev, D**-0.5), q, k, v, grad)
     out, grads = _out_and_grads(lambda: tiled_shadow_attention(q, k, v, ev, D**-0.5, tile), q, k, v, grad)
-    assert float((out - ref).abs().max()) <= TOL
-    for got, want in zip(grads, ref_grads):
-        assert float((got - want).abs().max()) <= TOL
+    assert float((out - ref).abs().max()) <= TOL  # the parity contract's figure (docs/design.md §3)
+    for got, want in zip(grads, ref_grads):  # gradients: float32 in another order, bounded by its reductions
+        assert within_float32_bound(got, want, attention_chain(T, (Hq // H) * Q, D))
 
 
 def test_tiled_rows_before_the_first_eviction_run_causally():
@@ -96,5 +97,6 @@ def test_model_logits_and_gradients_tiled_equal_sdpa(tmp_path):
         logp[valid].sum().backward()
         results[backend] = (sel.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     assert (results["tiled"][0] - results["sdpa"][0]).abs().max().item() <= TOL
+    chain = model_chain(model.config, ids.shape[1])
     for name, g in results["sdpa"][1].items():
-        assert (results["tiled"][1][name] - g).abs().max().item() <= TOL * max(1.0, g.abs().max().item()), name
+        assert within_float32_bound(results["tiled"][1][name], g, chain), name
