@@ -40,6 +40,15 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1e3 * min(times)
 
 
+def paired_ms(without: Callable[[], object], with_: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` milliseconds of both, interleaved round by round (a loaded machine drifts)."""
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(best_ms(without, 1))
+        b.append(best_ms(with_, 1))
+    return min(a), min(b)
+
+
 def zarr_arrays(path: Path) -> dict[str, np.ndarray]:
     """Every array of a Zarr group (recursively), by its path inside the group."""
     root = zarr.open_group(str(path), mode="r")
@@ -109,8 +118,8 @@ def main() -> None:
         ):
             w0, r0 = zarr_round_trip(arrays, plain_codecs, tmp / f"{label}.plain", chunks)
             w1, r1 = zarr_round_trip(arrays, checked_codecs, tmp / f"{label}.crc", chunks)
-            rows.append((label, "write", best_ms(w0, args.repeats), best_ms(w1, args.repeats)))
-            rows.append((label, "read", best_ms(r0, args.repeats), best_ms(r1, args.repeats)))
+            rows.append((label, "write", *paired_ms(w0, w1, args.repeats)))
+            rows.append((label, "read", *paired_ms(r0, r1, args.repeats)))
 
     policy = it / "policy"
     verify = stages.model.verify_weights_digest
