@@ -124,3 +124,24 @@ def test_too_many_nodes_is_one_line_naming_the_field():
     assert re.search(r"prepare: .*pointer_distractors: 30 hops and 10 distractors need 41 distinct node words; "
                      r"there are 40$", str(err.value)), str(err.value)
     cfg("prepare.pointer_hops=30", "prepare.pointer_distractors=9")  # 40 nodes: fits exactly
+
+
+def test_comparison_spec_has_every_arm_the_issue_asks_for():
+    from pathlib import Path
+
+    from schemas.compare import load_compare_spec
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_compare_spec(root / "experiments" / "pointer_chasing_comparison.yaml")
+    paper = load_compare_spec(root / "experiments" / "paper_comparison.yaml")
+    assert spec.iterations >= 30 and len(spec.seeds) >= 3
+    assert set(paper.arms) <= set(spec.arms)  # the paper's arms, with the same overrides
+    assert all(spec.arms[a] == paper.arms[a] for a in paper.arms)
+    arms = {a: load_params(root / "params.yaml", spec.overrides(a)) for a in spec.arms}
+    assert all(p.prepare.task == TASK and p.rollout.max_new_tokens >= 51 for p in arms.values())
+    at_half = [p for p in arms.values() if p.rollout.eviction.keep_ratio == 0.5]
+    selection = {(p.learner.objective, p.rollout.eviction.policy) for p in at_half}
+    assert {("smd", "recent"), ("naive", "recent"), ("smd", "random"), ("naive", "random")} <= selection
+    lambdas = {0.0 if p.learner.objective == "shadow" else p.learner.kl_lambda
+               for p in at_half if p.learner.objective in ("smd", "shadow") and p.rollout.eviction.policy == "snapkv"}
+    assert lambdas == {0.0, 0.01, 0.1, 0.8}
