@@ -23,9 +23,10 @@ import typer
 import yaml
 
 from cli.common import ParamsOption, SetOption, guarded, load
-from cli.paths import ARTIFACTS, WARMSTART_POLICY
+from cli.paths import RUN, WARMSTART_POLICY
 from schemas.atomic import atomic_path, check_replaceable
-from schemas.params import Params, start_policy
+from schemas.layout import DETAILS, EVAL_PROMPTS, METRICS, TRAIN_PROMPTS, RunLayout
+from schemas.params import Params
 
 T = TypeVar("T")
 
@@ -39,28 +40,28 @@ def register(app: typer.Typer) -> None:
         iterations: Annotated[int | None, typer.Option(
             help="Iterations (default: pipeline.num_iterations).")] = None,
         warmstart: Annotated[Path, typer.Option(help="Policy iteration 1 samples with.")] = WARMSTART_POLICY,
-        data: Annotated[Path, typer.Option(help="Directory with train.arrow and eval.arrow.")] = ARTIFACTS / "data",
+        data: Annotated[Path, typer.Option(help="Directory with train.arrow and eval.arrow.")] = RUN.data,
         eval_every: Annotated[int, typer.Option(min=1, help="Evaluate every K iterations (and the last).")] = 1,
     ) -> None:
         """Run the iteration chain in one process under `run-dir` (resumes after the last evaluated iteration)."""
         p = load(params, overrides)
         total = iterations or p.pipeline.num_iterations
-        art = run_dir / "artifacts"
-        art.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.json", "details.json"):  # the warm start as iteration 0 of summary and report
+        run = RunLayout(run_dir / "artifacts")
+        run.artifacts.mkdir(parents=True, exist_ok=True)
+        for name in (METRICS, DETAILS):  # the warm start as iteration 0 of summary and report
             source = Path(warmstart).parent / name
-            if source.is_file() and not (art / "warmstart" / name).exists():
-                (art / "warmstart").mkdir(exist_ok=True)
-                shutil.copyfile(source, art / "warmstart" / name)
+            if source.is_file() and not (run.warmstart / name).exists():
+                run.warmstart.mkdir(exist_ok=True)
+                shutil.copyfile(source, run.warmstart / name)
         guarded(partial(write_params, run_dir / "params.yaml", p))
         for n in range(1, total + 1):
-            base = art / f"iter-{n:03d}"
+            it = run.iteration(n)
             evaluated = n % eval_every == 0 or n == total
-            if (base / "progress.json").exists() and (not evaluated or (base / "evaluate" / "metrics.json").exists()):
+            if it.progress.exists() and (not evaluated or (it.evaluate / METRICS).exists()):
                 continue  # done in an earlier run of this chain
-            policy = start_policy(n, art, warmstart)
+            policy = run.start_policy(n, warmstart)
             t0 = time.perf_counter()
-            guarded(partial(run_iteration, p, n, policy, base, data, evaluated))
+            guarded(partial(run_iteration, p, n, policy, run, data, evaluated))
             print(f"iteration {n}/{total} done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
@@ -70,30 +71,31 @@ def write_params(path: Path, p: Params) -> None:
         tmp.write_text(yaml.safe_dump(p.model_dump(mode="json"), sort_keys=False))
 
 
-def run_iteration(p: Params, n: int, policy: Path, base: Path, data: Path, evaluated: bool) -> None:
-    """One iteration's stages in order, with the artifact paths dvc.yaml declares (relative to `base`)."""
+def run_iteration(p: Params, n: int, policy: Path, run: RunLayout, data: Path, evaluated: bool) -> None:
+    """One iteration's stages in order, with the artifact paths dvc.yaml declares (`schemas.layout`)."""
     from stages.compaction import compact
     from stages.evaluate.stage import evaluate
     from stages.learner.train import learn
     from stages.reporting.progress import progress
     from stages.rollout.stage import rollout
 
-    for stale in ("rollout", "compact", "learn", "policy", "evaluate"):
-        if (base / stale).exists():  # a half-done iteration reruns whole; never a directory smd did not write
-            check_replaceable(base / stale)
-            shutil.rmtree(base / stale)
+    it = run.iteration(n)
+    for stale in (it.rollout, it.compact, it.learn, it.policy, it.evaluate):
+        if stale.exists():  # a half-done iteration reruns whole; never a directory smd did not write
+            check_replaceable(stale)
+            shutil.rmtree(stale)
     # A vLLM stage runs in a process of its own, as under `dvc repro`: vLLM's in-process engine leaves the
     # process changed (its torch.distributed state), and DeepSpeed's learner cannot set up its groups after it.
     run_rollout = partial(in_own_process, rollout) if p.rollout.engine == "vllm" else rollout
     run_evaluate = partial(in_own_process, evaluate) if p.evaluate.engine == "vllm" else evaluate
-    out = run_rollout(p, n, policy, data / "train.arrow", base / "rollout", show_progress=False)
-    compact(p.compaction, out["trajectories"], out["raw_masks"], base / "compact" / "masks.zarr")
-    learn(p, n, policy, out["trajectories"], base / "compact" / "masks.zarr", base / "policy", base / "learn")
+    out = run_rollout(p, n, policy, data / TRAIN_PROMPTS, it.rollout, show_progress=False)
+    compact(p.compaction, out["trajectories"], out["raw_masks"], it.masks)
+    learn(p, n, policy, out["trajectories"], it.masks, it.policy, it.learn)
     if n > 1:  # only the newest policy's optimizer state is needed to resume
-        shutil.rmtree(base.parent / f"iter-{n - 1:03d}" / "policy" / "trainer_state", ignore_errors=True)
+        shutil.rmtree(run.iteration(n - 1).policy / "trainer_state", ignore_errors=True)
     if evaluated:
-        run_evaluate(p, n, base / "policy", data / "eval.arrow", base / "evaluate", show_progress=False)
-    progress(n, base.parent)
+        run_evaluate(p, n, it.policy, data / EVAL_PROMPTS, it.evaluate, show_progress=False)
+    progress(n, run.artifacts)
 
 
 def in_own_process(stage: Callable[..., T], *args: Any, **kwargs: Any) -> T:

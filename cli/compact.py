@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from cli.common import ParamsOption, SetOption, echo_written, guarded, load
-from cli.paths import iteration_dir
+from cli.paths import iteration_layout
+from schemas.layout import METRICS
 
 
 def register(app: typer.Typer) -> None:
@@ -32,15 +33,15 @@ def register(app: typer.Typer) -> None:
         from stages.compaction import compact
 
         p = load(params, overrides)
-        base = iteration_dir(iteration)
+        layout = iteration_layout(iteration)
         echo_written(
             guarded(
                 lambda: compact(
                     p.compaction,
-                    trajectories or base / "rollout" / "trajectories.arrow",
-                    raw_masks or base / "rollout" / "masks.raw.zarr",
-                    out or base / "compact" / "masks.zarr",
-                    metrics or base / "compact" / "metrics.json",
+                    trajectories or layout.trajectories,
+                    raw_masks or layout.raw_masks,
+                    out or layout.masks,
+                    metrics or layout.compact / METRICS,
                 )
             )
         )

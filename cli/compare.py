@@ -26,10 +26,11 @@ from typing import Annotated, Any
 import typer
 
 from cli.common import ParamsOption, SetOption, guarded
-from cli.paths import ARTIFACTS, WARMSTART_POLICY
+from cli.paths import RUN, WARMSTART_POLICY
 from schemas.atomic import atomic_path
 from schemas.compare import CompareSpec, load_compare_spec
 from schemas.errors import SmdInputError
+from schemas.layout import DETAILS, EVAL_PROMPTS, METRICS, TRAIN_PROMPTS, RunLayout
 from schemas.params import Params, load_params
 
 DEFAULT_SPEC = Path("experiments/paper_comparison.yaml")
@@ -43,7 +44,7 @@ def register(app: typer.Typer) -> None:
         params: ParamsOption = Path("params.yaml"),
         overrides: SetOption = None,
         warmstart: Annotated[Path, typer.Option(help="The policy every run starts from.")] = WARMSTART_POLICY,
-        data: Annotated[Path, typer.Option(help="Directory with train.arrow and eval.arrow.")] = ARTIFACTS / "data",
+        data: Annotated[Path, typer.Option(help="Directory with train.arrow and eval.arrow.")] = RUN.data,
         arms: Annotated[str | None, typer.Option(help="Comma-separated arms to run (default: all).")] = None,
         workers: Annotated[int | None, typer.Option(min=1, help="Runs at a time (default: the spec's).")] = None,
     ) -> None:
@@ -63,8 +64,8 @@ def compare(spec_path: Path, out: Path, params_path: Path, overrides: list[str],
         unknown = [a for a in names if a not in spec.arms]
         if unknown:
             raise SmdInputError(f"{spec_path}: no arm {', '.join(unknown)} (arms: {', '.join(spec.arms)})")
-    for path, what in ((warmstart / "config.json", "warm-start policy"), (data / "eval.arrow", "eval split"),
-                       (data / "train.arrow", "train split")):
+    for path, what in ((warmstart / "config.json", "warm-start policy"), (data / EVAL_PROMPTS, "eval split"),
+                       (data / TRAIN_PROMPTS, "train split")):
         if not path.is_file():
             raise SmdInputError(f"{path}: missing {what} (run `dvc repro warmstart` first, or pass --warmstart/--data)")
     arm_params = {arm: load_params(params_path, [*overrides, *spec.overrides(arm)]) for arm in names}
@@ -110,9 +111,9 @@ def evaluate_starts(arm_params: dict[str, Params], warmstart: Path, data: Path, 
         key = _eval_key(p)
         if key not in by_key:
             target = root / key / "evaluate"
-            if not (target / "metrics.json").is_file():
+            if not (target / METRICS).is_file():
                 print(f"evaluating the warm start ({arm}'s compression) -> {target}", file=sys.stderr, flush=True)
-                evaluate(p, 0, warmstart, data / "eval.arrow", target, show_progress=False)
+                evaluate(p, 0, warmstart, data / EVAL_PROMPTS, target, show_progress=False)
             by_key[key] = target
         out[arm] = by_key[key]
     return out
@@ -123,12 +124,13 @@ def run_arm(out: Path, arm: str, seed: int, start_eval: Path, params_path: Path,
     """One `smdctl chain` run in a child process (its output in chain.log); skipped when already complete."""
     name = f"{arm}-s{seed}"
     run_dir = out / name
-    iter0 = run_dir / "artifacts" / "iter-000" / "evaluate"
-    if not (iter0 / "metrics.json").is_file():
+    run = RunLayout(run_dir / "artifacts")
+    iter0 = run.iteration(0).evaluate  # the warm start's evaluation as iteration 0
+    if not (iter0 / METRICS).is_file():
         iter0.mkdir(parents=True, exist_ok=True)
-        for f in ("metrics.json", "details.json"):
+        for f in (METRICS, DETAILS):
             shutil.copyfile(start_eval / f, iter0 / f)
-    last = run_dir / "artifacts" / f"iter-{spec.iterations:03d}" / "evaluate" / "metrics.json"
+    last = run.iteration(spec.iterations).evaluate / METRICS
     if last.is_file():
         return {"run": name, "arm": arm, "seed": seed, "returncode": 0, "seconds": 0.0, "skipped": True}
     sets = [*overrides, *spec.overrides(arm), f"seed={seed}"]

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from cli.common import ParamsOption, SetOption, echo_written, guarded, load
-from cli.paths import WARMSTART_POLICY, iteration_dir
+from cli.paths import RUN, WARMSTART_POLICY, iteration_layout
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         overrides: SetOption = None,
         policy: Annotated[Path | None, typer.Option(
             help="Policy checkpoint (default: artifacts/iter-NNN/policy; artifacts/warmstart/policy for 0).")] = None,
-        prompts: Annotated[Path, typer.Option(help="Eval prompts table.")] = Path("artifacts/data/eval.arrow"),
+        prompts: Annotated[Path, typer.Option(help="Eval prompts table.")] = RUN.eval_prompts,
         out: Annotated[Path | None, typer.Option(help="Output directory (default: artifacts/iter-NNN/evaluate).")] = None,
         progress: Annotated[bool, typer.Option(help="Show a progress bar and the summary table.")] = True,
     ) -> None:
@@ -28,9 +28,9 @@ def register(app: typer.Typer) -> None:
         from stages.evaluate.stage import evaluate
 
         p = load(params, overrides)
-        default_policy = WARMSTART_POLICY if iteration == 0 else iteration_dir(iteration) / "policy"
+        default_policy = WARMSTART_POLICY if iteration == 0 else iteration_layout(iteration).policy
         written = guarded(lambda: evaluate(
             p, iteration, policy or default_policy, prompts,
-            out or iteration_dir(iteration) / "evaluate", show_progress=progress,
+            out or iteration_layout(iteration).evaluate, show_progress=progress,
         ))
         echo_written(written)

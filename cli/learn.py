@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from cli.common import ParamsOption, SetOption, echo_written, guarded, load
-from cli.paths import iteration_dir, policy_for_iteration
+from cli.paths import iteration_layout, policy_for_iteration
 
 
 def register(app: typer.Typer) -> None:
@@ -39,13 +39,13 @@ def register(app: typer.Typer) -> None:
         from stages.learner.train import learn, stderr_log
 
         p = load(params, overrides)
-        base = iteration_dir(iteration)
+        layout = iteration_layout(iteration)
         written = guarded(lambda: learn(
             p, iteration, policy or policy_for_iteration(iteration),
-            trajectories or base / "rollout" / "trajectories.arrow",
-            masks or base / "compact" / "masks.zarr",
-            out or base / "policy",
-            metrics_dir or base / "learn",
+            trajectories or layout.trajectories,
+            masks or layout.masks,
+            out or layout.policy,
+            metrics_dir or layout.learn,
             log=None if quiet else stderr_log,
         ))
         if os.environ.get("RANK", "0") == "0":

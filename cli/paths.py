@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.params import start_policy
+from schemas.layout import IterationLayout, RunLayout
 
-ARTIFACTS = Path("artifacts")
-WARMSTART_POLICY = ARTIFACTS / "warmstart" / "policy"
+RUN = RunLayout()  # `dvc repro`'s artifacts/
+ARTIFACTS = RUN.artifacts
+WARMSTART_POLICY = RUN.warmstart_policy
 
 
-def iteration_dir(iteration: int) -> Path:
-    return ARTIFACTS / f"iter-{iteration:03d}"
+def iteration_layout(iteration: int) -> IterationLayout:
+    return RUN.iteration(iteration)
 
 
 def policy_for_iteration(iteration: int) -> Path:
     """The policy iteration i samples with: the warm-start policy for i = 1, else iteration i-1's."""
-    return start_policy(iteration, ARTIFACTS)
+    return RUN.start_policy(iteration)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from cli.common import ParamsOption, SetOption, echo_written, guarded, load
-from cli.paths import iteration_dir, policy_for_iteration
+from cli.paths import RUN, iteration_layout, policy_for_iteration
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         params: ParamsOption = Path("params.yaml"),
         overrides: SetOption = None,
         policy: Annotated[Path | None, typer.Option(help="Policy checkpoint (default: previous iteration's).")] = None,
-        prompts: Annotated[Path, typer.Option(help="Train prompts table.")] = Path("artifacts/data/train.arrow"),
+        prompts: Annotated[Path, typer.Option(help="Train prompts table.")] = RUN.train_prompts,
         out: Annotated[Path | None, typer.Option(help="Output directory (default: artifacts/iter-NNN/rollout).")] = None,
         progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     ) -> None:
@@ -28,6 +28,6 @@ def register(app: typer.Typer) -> None:
         p = load(params, overrides)
         written = guarded(lambda: rollout(
             p, iteration, policy or policy_for_iteration(iteration), prompts,
-            out or iteration_dir(iteration) / "rollout", show_progress=progress,
+            out or iteration_layout(iteration).rollout, show_progress=progress,
         ))
         echo_written(written)

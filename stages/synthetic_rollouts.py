@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas.layout import RAW_MASKS, TRAJECTORIES
 from schemas.masks import budget, write_raw_masks
 from schemas.params.rollout import EvictionParams
 from schemas.tables import read_table, trajectories_binding, write_table
@@ -165,11 +166,11 @@ def write_synthetic_inputs(
     eviction: dict[str, Any],
     num_layers: int,
     num_kv_heads: int,
-    raw_name: str = "masks.raw.zarr",
+    raw_name: str = RAW_MASKS,
 ) -> tuple[Path, Path]:
     """Write trajectories.arrow and a raw store into `directory`; returns their paths."""
     directory = Path(directory)
-    traj = write_table(table, directory / "trajectories.arrow", "trajectories", {"rollout": {"eviction": eviction}})
+    traj = write_table(table, directory / TRAJECTORIES, "trajectories", {"rollout": {"eviction": eviction}})
     raw = write_raw_masks(directory / raw_name, shards, num_layers, num_kv_heads, eviction,
                           trajectories_binding(read_table(traj, "trajectories")))
     return traj, raw

@@ -56,9 +56,9 @@ class IterationItem(BaseModel):
 def start_policy(iteration: int, artifacts: str | Path = "artifacts", warmstart: str | Path | None = None) -> Path:
     """The policy iteration `iteration` samples with: the warm-start policy (default
     `<artifacts>/warmstart/policy`) for iteration 1, else iteration i-1's output `<artifacts>/iter-NNN/policy`."""
-    if iteration <= 1:
-        return Path(warmstart) if warmstart is not None else Path(artifacts) / "warmstart" / "policy"
-    return Path(artifacts) / f"iter-{iteration - 1:03d}" / "policy"
+    from schemas.layout import RunLayout
+
+    return RunLayout(Path(artifacts)).start_policy(iteration, warmstart)
 
 
 def default_chain(iterations: int) -> dict[str, IterationItem]:

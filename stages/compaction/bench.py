@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from schemas.layout import MASKS
 from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
@@ -128,7 +129,7 @@ def run_compaction_bench(
                 d = Path(tmp) / f"{policy}-{T}"
                 traj, raw = write_synthetic_inputs(d, table, shards, ev, num_layers, num_kv_heads)
                 t0 = time.perf_counter()
-                out = compact(CompactionParams(chunk_rows=mb), traj, raw, d / "masks.zarr", d / "metrics.json")
+                out = compact(CompactionParams(chunk_rows=mb), traj, raw, d / MASKS, d / "metrics.json")
                 compact_s = time.perf_counter() - t0
                 m = json.loads(out["details"].read_text())
                 read_s = _read_time(out["masks"], list(range(mb)), read_repeats)

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from schemas import rewards
+from schemas.layout import PREDICTIONS
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
@@ -211,13 +212,13 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
             "eval/score_gap": metrics["eval/dense/score"] - metrics["eval/compressed/score"],
             "config": config,
         })
-        write_table(rows, tmp / "predictions.arrow", "eval_predictions", config)
+        write_table(rows, tmp / PREDICTIONS, "eval_predictions", config)
         write_metrics(tmp / "metrics.json", metrics, HEADLINE)
 
     write_collectively(out_dir, ctx, my_part, merge)
     if show_progress and ctx.is_main:
         Console(stderr=True).print(summary_table(metrics))
-    return {"predictions": out_dir / "predictions.arrow", "metrics": out_dir / "metrics.json",
+    return {"predictions": out_dir / PREDICTIONS, "metrics": out_dir / "metrics.json",
             "details": out_dir / "details.json"}
 
 

@@ -49,6 +49,7 @@ from pydantic import ValidationError
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.layout import STEPS
 from schemas.metrics import write_metrics
 from schemas.params import Params, format_validation_error
 from schemas.params.learner import LearnerParams
@@ -546,7 +547,7 @@ def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: di
         with atomic_path(metrics_dir) as tmp:
             tmp.mkdir(parents=True)
             write_metrics(tmp / "metrics.json", metrics, HEADLINE)
-            (tmp / "steps.json").write_text(json.dumps(series, indent=1, sort_keys=True) + "\n")
+            (tmp / STEPS).write_text(json.dumps(series, indent=1, sort_keys=True) + "\n")
     if ctx.world > 1:
         dist.barrier()
 
@@ -580,7 +581,7 @@ def learn(
         "trainer_state": out_dir / TRAINER_STATE,
         "metrics": metrics_dir / "metrics.json",
         "details": metrics_dir / "details.json",
-        "steps": metrics_dir / "steps.json",
+        "steps": metrics_dir / STEPS,
     }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.layout import DETAILS, METRICS, RunLayout
 
 PROGRESS_SCHEMA_VERSION = 1
 PROGRESS_KIND = "progress"
@@ -42,11 +43,11 @@ def _read(path: Path) -> dict:
 
 
 def iteration_row(artifacts: Path, n: int) -> dict:
-    base = artifacts / f"iter-{n:03d}"
+    it = RunLayout(artifacts).iteration(n)
     row: dict = {"iteration": n}
     for stage, keys in HEADLINE.items():
         # the stage's whole record (details.json) when present, else its DVC headline
-        data = _read(base / stage / "details.json") or _read(base / stage / "metrics.json")
+        data = _read(it.stage(stage) / DETAILS) or _read(it.stage(stage) / METRICS)
         for key in keys:
             if key in data and isinstance(data[key], int | float):
                 row[key] = data[key]
@@ -56,7 +57,7 @@ def iteration_row(artifacts: Path, n: int) -> dict:
 def progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
     artifacts = Path(artifacts)
     rows = [iteration_row(artifacts, n) for n in range(1, iteration + 1)]
-    out = artifacts / f"iter-{iteration:03d}" / "progress.json"
+    out = RunLayout(artifacts).iteration(iteration).progress
     record = {"schema_version": PROGRESS_SCHEMA_VERSION, "kind": PROGRESS_KIND,
               "config": {"iteration": iteration, "artifacts": str(artifacts)}, "rows": rows}
     with atomic_path(out) as tmp:
@@ -68,7 +69,8 @@ def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
     """Rows for every iteration that has any metrics (warm start as iteration 0)."""
     artifacts = Path(artifacts)
     rows = []
-    warm = _read(artifacts / "warmstart" / "metrics.json")
+    run = RunLayout(artifacts)
+    warm = _read(run.warmstart / METRICS)
     if warm:
         # The warm start's greedy eval is a dense one: report it under the evaluate stage's names.
         row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float) and k != "schema_version"}}
@@ -77,8 +79,5 @@ def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
             if isinstance(warm.get(src), int | float):
                 row[dst] = warm[src]
         rows.append(row)
-    n = 1
-    while (artifacts / f"iter-{n:03d}").exists():
-        rows.append(iteration_row(artifacts, n))
-        n += 1
+    rows.extend(iteration_row(artifacts, n) for n in run.iterations())
     return rows

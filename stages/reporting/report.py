@@ -31,6 +31,7 @@ import yaml
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.layout import DETAILS, METRICS, RunLayout
 
 STAGES = ("rollout", "learn", "evaluate")
 MISSING = "—"
@@ -153,7 +154,7 @@ def load_run(run_dir: str | Path) -> Run:
         m = _METRICS_PATH.search(path.relative_to(artifacts).as_posix())
         if m:
             metrics.setdefault(int(m.group(1)), {})[m.group(2)] = _read_json(path)
-    warm = artifacts / "warmstart" / "metrics.json"
+    warm = RunLayout(artifacts).warmstart / METRICS
     if metrics and warm.is_file() and 0 not in metrics:
         # The warm start as iteration 0 (unless the run evaluated it itself under iter-000, as `smdctl compare`
         # does with each arm's compression): its greedy eval is a dense one, reported under the evaluate names.
@@ -191,7 +192,7 @@ def _details(artifacts: Path, metrics: dict[int, dict[str, dict[str, Any]]]) -> 
     out: dict[int, dict[str, dict[str, Any]]] = {}
     for iteration, stages in metrics.items():
         for stage in stages:
-            path = artifacts / f"iter-{iteration:03d}" / stage / "details.json"
+            path = RunLayout(artifacts).iteration(iteration).stage(stage) / DETAILS
             if path.is_file():
                 out.setdefault(iteration, {})[stage] = _read_json(path)
     return out

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from schemas.layout import TRAJECTORIES
 from schemas.params import Params, load_params
 from schemas.params.model import TinyModelParams
 from schemas.tables import write_table
@@ -55,7 +56,7 @@ def run_config(world: int, threads: int, params: Params, policy: Path, prompts: 
     return {"processes": world, "threads": threads, "tokens_per_s": details["rollout/tokens_per_s"],
             "tokens": details["rollout/generated_tokens"], "wall_s": wall,
             "tokens_per_cpu_s": details["rollout/generated_tokens"] / max(details["rollout/cpu_seconds"], 1e-9),
-            "table": (out / "trajectories.arrow").read_bytes()}
+            "table": (out / TRAJECTORIES).read_bytes()}
 
 
 def bench_rollout_processes(processes: list[int], threads: int | None, policy: Path | None, num_prompts: int,

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from schemas import rewards
 from schemas.errors import SmdInputError
+from schemas.layout import RAW_MASKS, TRAJECTORIES
 from schemas.masks import merge_raw_stores, write_raw_masks
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
@@ -105,9 +106,9 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
         rows = [r for rank in range(ctx.world)
                 for r in feather.read_table(str(parts / f"trajectories-{rank:05d}.arrow")).to_pylist()]
         rows.sort(key=lambda r: r["mask_row"])
-        write_table(rows, tmp / "trajectories.arrow", "trajectories", config)
-        binding = trajectories_binding(read_table(tmp / "trajectories.arrow", "trajectories"))  # masks <-> this table
-        merge_raw_stores([parts / f"masks-{rank:05d}.raw.zarr" for rank in range(ctx.world)], tmp / "masks.raw.zarr",
+        write_table(rows, tmp / TRAJECTORIES, "trajectories", config)
+        binding = trajectories_binding(read_table(tmp / TRAJECTORIES, "trajectories"))  # masks <-> this table
+        merge_raw_stores([parts / f"masks-{rank:05d}.raw.zarr" for rank in range(ctx.world)], tmp / RAW_MASKS,
                          binding)
         shutil.rmtree(parts)
         # Wall time of the parallel phase: the slowest process's (they start together after `agree`).
@@ -120,8 +121,8 @@ def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     write_collectively(out_dir, ctx, my_part, merge)
     out_dir = Path(out_dir)
     return {
-        "trajectories": out_dir / "trajectories.arrow",
-        "raw_masks": out_dir / "masks.raw.zarr",
+        "trajectories": out_dir / TRAJECTORIES,
+        "raw_masks": out_dir / RAW_MASKS,
         "metrics": out_dir / "metrics.json",
         "details": out_dir / "details.json",
     }
