@@ -20,7 +20,7 @@ from schemas.mask_store import open_mask_store, write_mask_store
 from schemas.params import load_params
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
-from schemas.tables import TRAJECTORIES_SCHEMA, read_table, table_config, write_table
+from schemas.tables import TRAJECTORIES_SCHEMA, read_table, table_config, trajectories_binding, write_table
 from stages.compaction import compact
 from stages.learner.data import load_learner_data
 from stages.learner.train import HEADLINE, learn, score_rows
@@ -249,6 +249,17 @@ def corrupt_store(src: Path, dst: Path, shift: int = 1) -> Path:
                             retention=store.attrs["retention"], trajectories=store.attrs["trajectories"])
 
 
+def rebind_store(src: Path, dst: Path, trajectories: Path) -> Path:
+    """A copy of a store bound to the table at `trajectories` (another rollout's masks past the binding check:
+    the structural checks behind it)."""
+    store = open_mask_store(src)
+    return write_mask_store(dst, evict_at=np.asarray(store.evict_at[...]), offsets=store.offsets,
+                            prompt_len=store.prompt_len, table_row=store.table_row, column_map=store.column_map,
+                            eviction=store.attrs["eviction"], config=store.attrs["config"],
+                            retention=store.attrs["retention"],
+                            trajectories=trajectories_binding(read_table(trajectories, "trajectories")))
+
+
 def assert_nothing_written(tmp_path: Path, model_dir: Path, digest: str) -> None:
     assert not (tmp_path / "iter-001").exists()
     assert tree_digest(model_dir) == digest  # the previous checkpoint is untouched
@@ -300,9 +311,11 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
     # masks that do not match the trajectories
     other_rows, other_masks = make_iteration(tmp_path, model_dir, prompts,
                                              make_params(**{"rollout.prompts_per_iteration": 2}), "rows")
-    fails("num_rows: 4 mask rows for 6 trajectories", mask_store=other_masks)
+    fails("masks from another rollout", mask_store=other_masks)  # the binding (issue 24), then the structure:
+    fails("num_rows: 4 mask rows for 6 trajectories", mask_store=rebind_store(other_masks, tmp_path / "o.zarr", traj))
     _, longer = make_iteration(tmp_path, model_dir, prompts, make_params(**{"rollout.max_new_tokens": 5}), "len")
-    fails("offsets: mask row 0 has", mask_store=longer)
+    fails("masks from another rollout", mask_store=longer)
+    fails("offsets: mask row 0 has", mask_store=rebind_store(longer, tmp_path / "l.zarr", traj))
     mha = make_model_dir(tmp_path, "mha")
     fails("masks have 2 layers x 2 KV heads, the policy 3 x 3", policy=mha)
     fails("missing compacted mask store", mask_store=tmp_path / "nope.zarr")
@@ -331,7 +344,7 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
     res = CliRunner().invoke(app, ["learn", "-i", "1", "--params", str(empty_params(tmp_path)), "--policy",
                                    str(model_dir), "--trajectories", str(traj), "--masks", str(other_masks),
                                    "--out", str(out), "--metrics-dir", str(tmp_path / "iter-001" / "learn")])
-    assert res.exit_code == 2 and "num_rows" in res.output
+    assert res.exit_code == 2 and "masks from another rollout" in res.output
     assert_nothing_written(tmp_path, model_dir, digest)
 
 
