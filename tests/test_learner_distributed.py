@@ -83,3 +83,51 @@ def test_resume_two_to_one_process_keeps_optimizer(tmp_path: Path):
     assert details["learner/resumed_optimizer"] is True and details["learner/world_size"] == 1
     assert json.loads((one / "trainer_state" / "trainer_state.json").read_text())["global_step"] == 2
     assert not [p for p in first.parent.iterdir() if "universal" in p.name]  # the converted copy is removed
+
+
+def _failing_write_worker(rank: int, world: int, port: int, args: tuple) -> None:
+    """learn on `world` processes whose rank 0 fails while writing the Hugging Face weights (after every rank
+    saved its trainer-state shards); each rank records the one line it raised."""
+    import stages.learner.train as train
+    from schemas.errors import SmdRankError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    model_dir, traj, masks, out, report = args
+
+    def disk_full(_path):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        train.write_weights_digest = disk_full
+    try:
+        learn(make_params(**OVER), 1, model_dir, traj, masks, out)
+        Path(report, f"rank{rank}").write_text("no error")
+    except SmdRankError as exc:
+        Path(report, f"rank{rank}").write_text(str(exc))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_failing_mid_write_fails_every_rank_and_writes_nothing(tmp_path: Path):
+    """The policy is written collectively (stages.distributed.write_collectively): rank 0 failing inside its part
+    of the write makes every rank raise one line naming it, within a bounded time (no rank left in a barrier),
+    and no policy directory or temporary is left behind."""
+    model_dir = make_model_dir(tmp_path, "gqa")
+    prompts = make_prompts(tmp_path)
+    traj, masks = make_iteration(tmp_path, model_dir, prompts, make_params(**OVER))
+    out, report = tmp_path / "run" / "policy", tmp_path / "report"
+    report.mkdir()
+    context = mp.spawn(_failing_write_worker, args=(2, _free_port(), (model_dir, traj, masks, out, report)),
+                       nprocs=2, join=False)
+    for _ in range(60):  # 5 minutes at most, then the test fails instead of hanging CI
+        if context.join(timeout=5):
+            break
+    else:
+        for process in context.processes:
+            process.kill()
+        pytest.fail("a rank hung after another failed while writing the policy")
+    for rank in (0, 1):
+        line = (report / f"rank{rank}").read_text()
+        assert line.startswith("rank 0 of 2") and "No space left on device" in line and "\n" not in line
+    assert not out.exists() and [p.name for p in out.parent.iterdir()] == []

@@ -54,6 +54,7 @@ from schemas.metrics import write_metrics
 from schemas.params import Params, format_validation_error
 from schemas.params.learner import LearnerParams
 from schemas.weights import write_weights_digest
+from stages.distributed import write_collectively
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
 from stages.learner.engine import (
     TRAINER_STATE,
@@ -334,26 +335,6 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def _write_collectively(final: Path, ctx: DistContext, body: Callable[[Path], None]) -> None:
-    """Build `final` at a temporary path shared by all processes (rank 0 owns the atomic rename)."""
-    if ctx.world == 1:
-        with atomic_path(final) as tmp:
-            body(tmp)
-        return
-    if ctx.is_main:
-        with atomic_path(final) as tmp:
-            holder: list[Any] = [str(tmp)]
-            dist.broadcast_object_list(holder, src=0)
-            body(tmp)
-            dist.barrier()
-    else:
-        holder = [None]
-        dist.broadcast_object_list(holder, src=0)
-        body(Path(holder[0]))
-        dist.barrier()
-    dist.barrier()
-
-
 @dataclass
 class LearnerRun:
     """Everything one learn call sets up once and its named steps share."""
@@ -532,17 +513,16 @@ def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: di
     meta = {"world_size": ctx.world, "zero_stage": run.cfg.zero_stage, "global_step": run.global_step,
             "iteration": run.iteration, "objective": run.cfg.objective}
 
-    def write_policy(tmp: Path) -> None:
-        if ctx.is_main:
-            tmp.mkdir(parents=True, exist_ok=True)
-            run.module.save_pretrained(tmp)
-            run.tokenizer.save_pretrained(tmp)
-            write_weights_digest(tmp)
-        if ctx.world > 1:
-            dist.barrier()
-        save_trainer_state(run.engine, tmp / TRAINER_STATE, meta, ctx)
+    def save_policy(tmp: Path, _: list[None]) -> None:  # rank 0, once every rank saved its trainer state
+        run.module.save_pretrained(tmp)
+        run.tokenizer.save_pretrained(tmp)
+        write_weights_digest(tmp)
 
-    _write_collectively(out_dir, ctx, write_policy)
+    # DeepSpeed's checkpoint save is collective (every rank writes its optimizer shards), the Hugging Face
+    # weights are rank 0's; write_collectively agrees on failures after each part, so a rank that fails
+    # leaves no process waiting in a barrier and no directory behind.
+    write_collectively(out_dir, ctx, lambda tmp: save_trainer_state(run.engine, tmp / TRAINER_STATE, meta, ctx),
+                       save_policy)
     if ctx.is_main:
         with atomic_path(metrics_dir) as tmp:
             tmp.mkdir(parents=True)
