@@ -52,14 +52,31 @@ TIMING_KEY = re.compile(r"seconds|minutes|per_s|peak_rss")
 TEMPORARY = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}$")
 
 
+EXTENSIONS = {"dir": ""}  # the soak's own TORCH_EXTENSIONS_DIR (set in main): its JIT locks are the soak's
+
+
 def env() -> dict[str, str]:
     """The stages' environment: this checkout first on the path, CPU DeepSpeed, one thread (deterministic and
-    polite on a shared machine), no rendezvous inherited."""
+    polite on a shared machine), no rendezvous inherited, a private JIT-extension directory (see stale_locks)."""
     out = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                            "LOCAL_RANK")}
     out.update(PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{out.get('PATH', '')}")
+    if EXTENSIONS["dir"]:
+        out["TORCH_EXTENSIONS_DIR"] = EXTENSIONS["dir"]
     return out
+
+
+def remove_stale_locks() -> int:
+    """Remove the JIT-extension build locks a killed chain left (none of the soak's processes runs now).
+
+    torch.utils.cpp_extension guards every load of a JIT op (DeepSpeed's shm_comm) with a lock *file*
+    (FileBaton), created and removed around the load: a SIGKILL in that window leaves it, and every later load
+    waits for it forever. Found by this soak; counted in its table."""
+    locks = list(Path(EXTENSIONS["dir"]).glob("*/lock")) if EXTENSIONS["dir"] else []
+    for lock in locks:
+        lock.unlink()
+    return len(locks)
 
 
 def smdctl(args: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
@@ -128,21 +145,23 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
     expected = snapshot(ref)
     # the chain prints "iteration n/N done in S s": what is left of the wall time is start-up (imports)
     per_iteration = [float(x) for x in re.findall(r"iteration \d+/\d+ done in ([0-9.]+)s", res.stderr)]
-    iteration_s = sorted(per_iteration)[len(per_iteration) // 2] if per_iteration else 1.0  # the median
     startup_s = max(ref_seconds - sum(per_iteration), 1.0)
+    iteration_s = (ref_seconds - startup_s) / iterations  # the mean: iterations vary with the machine's load
     print(f"reference: {iterations} iterations in {ref_seconds:.0f} s ({startup_s:.0f} s start-up, "
           f"{iteration_s:.1f} s per iteration), {len(expected)} files", flush=True)
     rng = random.Random(seed)
     kills = finished_early = partial = starts = 0
     hit: set[int] = set()  # the iterations the kills landed in (the one after the last with progress.json)
+    stale = 0  # JIT-extension locks left by a kill (each would hang every later start)
     while True:
         starts += 1
+        stale += remove_stale_locks()
         proc = subprocess.Popen(chain_argv(proj, run, iterations), cwd=proj, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         if kills < kills_wanted:
-            # a moment from the middle of start-up to ~2.5 iterations in: kills land in start-up and in every
-            # stage, and the chain gets ahead between kills (a killed iteration reruns whole)
-            delay = rng.uniform(0.5 * startup_s, startup_s + 2.5 * iteration_s)
+            # a moment from the end of start-up to ~3 iterations in: kills land in every stage, and the chain
+            # gets ahead between kills (a killed iteration reruns whole), so they spread over the iterations
+            delay = rng.uniform(0.8 * startup_s, startup_s + 3.0 * iteration_s)
             try:
                 proc.wait(timeout=delay)
                 if proc.returncode:
@@ -177,7 +196,9 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
             ("  partial artifact visible after a kill", kills, f"{partial} partial files", "none" if not partial
              else "see above"),
             ("  chain finished before its kill", finished_early, "resumed and compared", "none"),
-            ("  temporaries left after the last resume", 1, f"{len(temporaries(run))}", "none")]
+            ("  temporaries left after the last resume", 1, f"{len(temporaries(run))}", "none"),
+            ("  torch JIT-extension lock left by a kill (the next start would wait forever)", stale,
+             "removed by the soak before the next start (not by smd)", "none; a real run hangs")]
     return rows
 
 
@@ -218,6 +239,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temporary one, removed)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="smd-soak-"))
+    EXTENSIONS["dir"] = str(work / "torch_extensions")
     try:
         proj = project(work)
         rows = soak(proj, work, args.iterations, args.kills, args.seed)
