@@ -12,13 +12,16 @@ seeded from the run seed, the iteration and b (`batch_seed`), so what a batch sa
 N. A stage's outputs are written collectively (`write_collectively`): rank 0 owns the atomic temporary
 directory (`schemas.atomic.atomic_path`), each process writes its own part into it, rank 0 merges them
 into the canonical order and renames. Failures are agreed on (`agree`): when any process raises, every
-process raises `SmdRankError` naming the first failing rank, rank 0 deletes the temporary directory before
-the others exit, and nothing is written.
+process raises `SmdRankError` naming the first failing rank (and its host, when the processes span several
+nodes), rank 0 deletes the temporary directory before the others exit, and nothing is written. A process that
+is gone (killed, its node lost) cannot report: its peers' next collective fails on the closed connection, and
+they raise `SmdRankLost` naming the rank and host behind the address that closed (gathered at start-up).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import traceback
 from collections.abc import Callable
@@ -45,6 +48,8 @@ class DistContext:
     world: int
     local_rank: int
     device: torch.device
+    hosts: tuple[str, ...] = ()  # every rank's hostname, in rank order (several processes only)
+    addresses: tuple[str, ...] = ()  # every rank's address on the route to MASTER_ADDR: tells a lost peer's rank
 
     @property
     def is_main(self) -> bool:
@@ -97,7 +102,57 @@ def init_distributed(backend: str | None = None, device: str = "auto") -> DistCo
                 # Another process took the free port between probing and binding: pick another.
                 if not own_port or attempt == 7:
                     raise
-    return DistContext(rank=rank, world=world, local_rank=local_rank, device=where)
+    ctx = DistContext(rank=rank, world=world, local_rank=local_rank, device=where)
+    if world > 1:
+        peers: list[Any] = [None] * world
+        try:
+            dist.all_gather_object(peers, (socket.gethostname(), _own_address()))
+        except RuntimeError as exc:  # a process died between joining and this first exchange
+            raise lost_peer(ctx, exc) from None
+        ctx.hosts, ctx.addresses = (tuple(column) for column in zip(*peers))
+    return ctx
+
+
+def _own_address() -> str:
+    """This process's address on the route to MASTER_ADDR (connecting a UDP socket sends nothing); '' if none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT") or 1)))
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return ""
+
+
+class SmdRankLost(SmdRankError):
+    """A peer process is gone (its connection closed mid-collective): there is no agreement to be had, so the
+    survivors exit without the closing barrier. `reporter` is the rank that prints the line (0 unless 0 is lost)."""
+
+    reporter = 0
+
+
+# gloo names the far end of a broken pair as "[address]:port" (its own source location is "[file:line] ").
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
+
+
+def lost_peer(ctx: DistContext, exc: BaseException) -> SmdRankLost:
+    """The one-line error for a collective that failed because a peer's process ended: the rank and host behind
+    the address that closed, when the ranks' addresses tell it (several ranks on that host: 'a rank')."""
+    text = " ".join(str(exc).split())
+    match = _PEER_ADDRESS.search(text)
+    address = match.group(1) if match else None
+    ranks = [r for r, a in enumerate(ctx.addresses) if address is not None and a == address and r != ctx.rank]
+    reason = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # without gloo's source location and advice
+    if len(ranks) > 1:
+        reason += f" (ranks {', '.join(map(str, ranks))} run there)"
+    host = ctx.hosts[ranks[0]] if ranks else address
+    error = SmdRankLost(ranks[0] if len(ranks) == 1 else None, ctx.world, f"process lost: {reason}", 1, host=host)
+    error.reporter = 1 if ranks == [0] else 0
+    return error
+
+
+def _host_of(ctx: DistContext, rank: int) -> str | None:
+    """A rank's hostname when the processes span several hosts (one node: messages stay as they were)."""
+    return ctx.hosts[rank] if len(set(ctx.hosts)) > 1 else None
 
 
 def worker_context(device: str = "auto") -> DistContext:
@@ -150,11 +205,14 @@ def agree(ctx: DistContext, value: T | None, error: BaseException | None) -> lis
         return [value]  # type: ignore[list-item]
     report = (value, None) if error is None else (None, (_describe(error), isinstance(error, SmdInputError)))
     gathered: list[Any] = [None] * ctx.world
-    dist.all_gather_object(gathered, report)
+    try:
+        dist.all_gather_object(gathered, report)
+    except RuntimeError as exc:  # gloo / NCCL: a peer's connection closed (its process killed, its node gone)
+        raise lost_peer(ctx, exc) from error
     for rank, (_, failure) in enumerate(gathered):
         if failure is not None:
             message, bad_input = failure
-            raise SmdRankError(rank, ctx.world, message, 2 if bad_input else 1) from error
+            raise SmdRankError(rank, ctx.world, message, 2 if bad_input else 1, host=_host_of(ctx, rank)) from error
     return [v for v, _ in gathered]
 
 
@@ -188,7 +246,8 @@ def write_collectively(final: str | Path, ctx: DistContext, each_rank: Callable[
     except SmdRankError as exc:
         if entered:
             writer.__exit__(type(exc), exc, exc.__traceback__)  # atomic_path removes tmp
-        dist.barrier()  # the others exit only after tmp is gone
+        if not isinstance(exc, SmdRankLost):  # a lost peer would fail the barrier too
+            dist.barrier()  # the others exit only after tmp is gone
         raise
     # The rename (atomic_path re-checks `final` first and removes tmp if it must refuse): agreed on too, so
     # that no process returns before `final` is in place or every process knows it failed.
