@@ -12,6 +12,7 @@ A run's artifacts live under one directory (`artifacts/` for `dvc repro`, `<run-
     iter-NNN/learn/{metrics.json,details.json,steps.json}
     iter-NNN/evaluate/{predictions.arrow,metrics.json,details.json}
     iter-NNN/progress.json
+    tensorboard/{learn,iteration}/       the progress stage's TensorBoard view (not a DVC output)
 
 The CLI, the in-process chain, the comparison runner, the report and the progress stage take their paths
 from here; tests/test_artifact_layout.py checks them against the `outs`, `metrics` and `plots` of dvc.yaml.
@@ -125,6 +126,11 @@ class RunLayout:
     @property
     def warmstart_policy(self) -> Path:
         return self.warmstart / "policy"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard's view of the run (rebuilt by the progress stage; not a DVC output)."""
+        return self.artifacts / "tensorboard"
 
     def iteration(self, n: int) -> IterationLayout:
         return IterationLayout(self.artifacts / f"iter-{iteration_id(n)}", n)

@@ -2,7 +2,8 @@
 
 `progress(i)` gathers, for iterations 1..i, the headline numbers of rollout, learn and evaluate metrics
 into `artifacts/iter-NNN/progress.json`: `{"schema_version", "kind": "progress", "config", "rows": [...]}`,
-one row per iteration, which `dvc plots show` draws (it plots the file's list of rows).
+one row per iteration, which `dvc plots show` draws (it plots the file's list of rows); then rebuilds the
+run's TensorBoard view (`stages.reporting.tensorboard`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.layout import DETAILS, METRICS, RunLayout
+from stages.reporting.tensorboard import write_tensorboard
 
 PROGRESS_SCHEMA_VERSION = 1
 PROGRESS_KIND = "progress"
@@ -62,6 +64,9 @@ def progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
               "config": {"iteration": iteration, "artifacts": str(artifacts)}, "rows": rows}
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(record, indent=2))
+    # TensorBoard's view of iterations 0..i (the warm start as 0), rebuilt from the artifacts
+    write_tensorboard(artifacts, [r for r in summary_table(artifacts) if r["iteration"] <= iteration],
+                      list(range(1, iteration + 1)))
     return out
 
 
