@@ -15,6 +15,7 @@ Needs root, `ip`, `unshare`, `sshd` (openssh-server), `ssh` and `pdsh`; `.ci/run
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -118,6 +119,7 @@ def start(root: Path, names: tuple[str, ...] = ("node1", "node2"), env_lines: tu
     assert len(names) == 2, "one veth pair joins exactly two namespaces"
     root.mkdir(parents=True, exist_ok=True)
     tag = f"smd{os.getpid()}"  # unique per test process: other sessions may run the harness at the same time
+    remove_stale()
     nodes = [Node(name, f"{tag}-{name}", f"{SUBNET}.{i + 1}") for i, name in enumerate(names)]
     cluster = Cluster(root, nodes, root / "ssh_config", root / "bin", root / "deepspeed_env")
     try:
@@ -209,6 +211,17 @@ def _wait_for_ssh(cluster: Cluster, timeout: float = 30) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ssh to {node.name} ({node.address}) failed: {probe.stderr.strip()[-300:]}")
             time.sleep(0.2)
+
+
+def remove_stale() -> None:
+    """Delete the namespaces of harness runs whose test process is gone (killed before its teardown ran),
+    with what still runs in them; a live process's namespaces are left alone."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in re.findall(r"^(smd(\d+)-\S+)", listing, flags=re.MULTILINE):
+        netns, pid = name[0], int(name[1])
+        if not Path(f"/proc/{pid}").exists():
+            stale = Cluster(Path("/nonexistent"), [Node(netns.split("-", 1)[1], netns, "")], Path(), Path(), Path())
+            stop(stale)
 
 
 def stop(cluster: Cluster) -> None:

@@ -43,6 +43,7 @@ OVER = {"rollout": {"batch_size": 2, "shard_rows": 2}, "evaluate": {"batch_size"
 ITERATIONS = ("001", "002")
 BIN = Path(sys.executable).parent
 TIMINGS: dict[str, float] = {}  # printed at the end of the module (pytest -s), for the docs
+OUTCOMES: dict[str, str] = {}  # each fault's error line, printed with them
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,7 @@ def cluster(tmp_path_factory):
     yield nodes
     multinode.stop(nodes)
     print("\nmulti-node timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in TIMINGS.items()))
+    print("".join(f"{fault}: {line}\n" for fault, line in OUTCOMES.items()), end="")
 
 
 def _env() -> dict[str, str]:
@@ -259,6 +261,7 @@ def test_remote_rank_killed_mid_stage_fails_with_one_line(cluster, runs, tmp_pat
             proc.kill()
     assert proc.returncode != 0
     errors = error_lines(log)
+    OUTCOMES["remote rank killed"] = " | ".join(errors)
     assert len(errors) == 1, log[-3000:]
     assert errors[0].startswith("error: rank 1 of 2 on node2 failed: process lost"), errors
     assert not out.exists() and list(out.parent.iterdir()) == []  # no output, no temporary
@@ -282,6 +285,7 @@ def test_node_unreachable_at_start_fails_with_one_line(cluster, runs, tmp_path):
         subprocess.run([*link, "up"], check=True)
     assert run.returncode == 2
     errors = error_lines(run.stdout + run.stderr)
+    OUTCOMES["node unreachable"] = " | ".join(errors)
     assert len(errors) == 1 and "not reachable over ssh" in errors[0] and "node2 (" in errors[0], errors
     assert "node1" not in errors[0].split("ssh within")[1]  # node1 answered
     assert not out.exists()
@@ -300,6 +304,7 @@ def test_hostfile_entry_without_sshd_fails_with_one_line(cluster, runs, tmp_path
     TIMINGS["no sshd -> refused"] = elapsed = time.monotonic() - start
     assert run.returncode == 2
     errors = error_lines(run.stdout + run.stderr)
+    OUTCOMES["no sshd"] = " | ".join(errors)
     assert len(errors) == 1 and "node2-nosshd (" in errors[0] and "Connection refused" in errors[0], errors
     assert not out.exists()
     assert elapsed < SSH_CHECK_TIMEOUT_S + 30
