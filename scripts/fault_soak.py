@@ -104,8 +104,16 @@ def digest(path: Path) -> str:
 def snapshot(run: Path) -> dict[str, str]:
     """Every published artifact file under `run`/artifacts (temporaries excluded) -> its digest."""
     art = run / "artifacts"
+    # tensorboard/ is a view rebuilt from the metrics compared here (wall-clock figures included): not compared
     return {p.relative_to(run).as_posix(): digest(p) for p in sorted(art.rglob("*"))
-            if p.is_file() and not any(TEMPORARY.match(part) for part in p.relative_to(art).parts)}
+            if p.is_file() and not any(TEMPORARY.match(part) for part in p.relative_to(art).parts)
+            and p.relative_to(art).parts[0] != "tensorboard"}
+
+
+def activity(run: Path) -> tuple[int, int]:
+    """(entries, newest mtime) under `run`/artifacts: changes once a started chain writes anything."""
+    entries = list((run / "artifacts").rglob("*")) if (run / "artifacts").exists() else []
+    return len(entries), max((e.stat().st_mtime_ns for e in entries if e.exists()), default=0)
 
 
 def temporaries(run: Path) -> list[str]:
@@ -159,9 +167,14 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
         proc = subprocess.Popen(chain_argv(proj, run, iterations), cwd=proj, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         if kills < kills_wanted:
-            # a moment from the end of start-up to ~3 iterations in: kills land in every stage, and the chain
-            # gets ahead between kills (a killed iteration reruns whole), so they spread over the iterations
-            delay = rng.uniform(0.8 * startup_s, startup_s + 3.0 * iteration_s)
+            # a moment up to ~3 iterations after the chain starts writing (start-up time varies with the machine's
+            # load, so it is waited out, not guessed): kills land in every stage, and the chain gets ahead
+            # between kills (a killed iteration reruns whole), so they spread over the iterations
+            before = activity(run)
+            started = time.monotonic()
+            while proc.poll() is None and activity(run) == before and time.monotonic() - started < 600:
+                time.sleep(0.05)
+            delay = rng.uniform(0.0, 3.0 * iteration_s)
             try:
                 proc.wait(timeout=delay)
                 if proc.returncode:
@@ -177,7 +190,8 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
                 # nothing partial is published: each file present equals the reference's (the chain keeps the
                 # trainer state of the newest policy only, so an older one may still be here mid-run)
                 partial += sum(1 for k, v in present.items() if k in expected and expected[k] != v)
-                print(f"kill {kills} after {delay:.1f} s: {len(present)} files present", flush=True)
+                print(f"kill {kills} {delay:.1f} s after the chain started writing: {len(present)} files present",
+                      flush=True)
                 continue
         else:
             err = proc.communicate()[1]

@@ -147,7 +147,11 @@ def _snapshot(proj: Path, outputs: list[str]) -> dict[str, str]:
     for out in outputs:
         root = proj / out
         for p in ([root] if root.is_file() else sorted(root.rglob("*")) if root.exists() else []):
-            if p.is_file() and not any(TEMPORARY.match(part) for part in p.relative_to(proj).parts):
+            rel = p.relative_to(proj)
+            # artifacts/tensorboard is a view rebuilt from the metrics compared here (wall-clock figures included)
+            if rel.parts[:2] == ("artifacts", "tensorboard"):
+                continue
+            if p.is_file() and not any(TEMPORARY.match(part) for part in rel.parts):
                 files[p.relative_to(proj).as_posix()] = _normalised(p)
     return files
 

@@ -8,9 +8,9 @@ view always matches what is on disk (a rerun iteration replaces its points inste
   `progress.json`), the warm start's evaluation as iteration 0.
 
 Event files are written with TensorBoard's own protobufs and record writer. An event's wall time is its step
-(not the clock), and the file name is fixed, so the same artifacts give the same bytes: a run resumed after a
-crash ends byte-identical to an uninterrupted one, this view included. Without the `tensorboard` package the
-view is skipped with one line (the lent GPU machine's image may lack it); nothing else depends on it.
+(not the clock), and the file name is fixed, so the same metrics give the same bytes (two runs differ only
+where their metrics do: the wall-clock figures). Without the `tensorboard` package the view is skipped with
+one line (the lent GPU machine's image may lack it); nothing else depends on it.
 """
 
 from __future__ import annotations
