@@ -34,8 +34,7 @@ from schemas.errors import SmdInputError
 from schemas.params import iterations_yaml, load_params
 from stages.distributed import DistContext, SmdRankLost, lost_peer
 from tests import multinode
-from tests.test_learner import max_param_diff, params_of
-from tests.test_pipeline_e2e import MICRO, ROOT, _merge
+from tests.helpers import MICRO, ROOT, max_param_diff, merge_into, params_of
 
 # The e2e micro pipeline with every stage split over both processes: 3 rollout batches of 2 (rank 0 samples
 # 0 and 2, rank 1 batch 1), 3 trajectories per learner process, 2 eval batches of 2.
@@ -68,15 +67,15 @@ def cluster(tmp_path_factory):
     print("".join(f"{fault}: {line}\n" for fault, line in OUTCOMES.items()), end="")
 
 
-def _env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                            "LOCAL_RANK", "DS_ENV_FILE")}
     return {**env, "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DVC_NO_ANALYTICS": "1"}
 
 
-def _run(argv: list[str], cwd: Path, timeout: float = 900) -> str:
-    proc = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+def run_ok(argv: list[str], cwd: Path, timeout: float = 900) -> str:
+    proc = subprocess.run(argv, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
@@ -85,7 +84,8 @@ def on_node1(nodes: multinode.Cluster, proj: Path, command: str) -> list[str]:
     """argv that runs `command` in `proj` on node1, logged in over ssh, with the project's venv and the ssh
     wrapper on PATH and the launcher's environment file: the setup a cluster user's shell has."""
     exports = {"PATH": f"{nodes.bin_dir}:{BIN}:/usr/local/bin:/usr/bin:/bin", "DS_ENV_FILE": str(nodes.env_file),
-               "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(proj)}  # the project's copy of the code
+               "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(proj),  # the project's copy of the code
+               "DVC_NO_ANALYTICS": "1"}  # node1 has no route out, and nothing should try one
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items())
     return nodes.ssh_argv("node1", f"cd {shlex.quote(str(proj))} && exec env {prefix} {command}")
 
@@ -94,7 +94,7 @@ def run_on_node1(nodes: multinode.Cluster, proj: Path, command: str, timeout: fl
     return subprocess.run(on_node1(nodes, proj, command), capture_output=True, text=True, timeout=timeout)
 
 
-def _project(root: Path) -> Path:
+def make_project(root: Path) -> Path:
     """A git + DVC project copy with the micro params (`dvc exp run` needs a git repository)."""
     proj = root / "proj"
     proj.mkdir()
@@ -103,15 +103,15 @@ def _project(root: Path) -> Path:
     for name in ("cli", "stages", "schemas"):  # dvc.yaml deps name the code of each command
         shutil.copytree(ROOT / name, proj / name, ignore=shutil.ignore_patterns("__pycache__"))
     params = load_params(None, None).model_dump()
-    _merge(params, MICRO)
-    _merge(params, OVER)
+    merge_into(params, MICRO)
+    merge_into(params, OVER)
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (proj / "iterations.yaml").write_text(iterations_yaml(params["pipeline"]["num_iterations"]))
     git = ["git", "-c", "user.name=smd-test", "-c", "user.email=smd-test@localhost"]
-    _run(["git", "init", "-q"], proj)
-    _run(["dvc", "init", "-q"], proj)
-    _run([*git, "add", "."], proj)
-    _run([*git, "commit", "-q", "-m", "micro"], proj)
+    run_ok(["git", "init", "-q"], proj)
+    run_ok(["dvc", "init", "-q"], proj)
+    run_ok([*git, "add", "."], proj)
+    run_ok([*git, "commit", "-q", "-m", "micro"], proj)
     return proj
 
 
@@ -154,7 +154,7 @@ def runs(cluster, tmp_path_factory):
     (`dvc exp run -S pipeline.hostfile=... -S pipeline.processes=1`), then every stage of it on 1 process.
     Returns (project, the 1-process stages' outputs, the 2-node run's log)."""
     root = tmp_path_factory.mktemp("multinode-runs")
-    proj = _project(root)
+    proj = make_project(root)
     hosts = cluster.hostfile(["node1", "node2"])
     start = time.monotonic()
     multi = run_on_node1(cluster, proj, f"dvc exp run -S pipeline.hostfile={hosts} -S pipeline.processes=1")
