@@ -1,17 +1,37 @@
-"""Test helpers shared across test modules (tiny models, prompt tables, rollout-to-learner batches, synthetic
-rollouts written to disk)."""
+"""The test suite's one helpers module (test modules import from here, never from each other): tiny models,
+prompt tables, rollout-to-learner batches, synthetic rollouts written to disk, float bounds, learner inputs
+(rollout + compaction on a tiny model), free ports, project copies for `dvc repro` and stage commands, and
+shadow-attention batches."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
+from schemas.params import iterations_yaml, load_params
+from schemas.params.compaction import CompactionParams
 from schemas.params.model import TinyModelParams
+from schemas.tables import read_table, table_config, write_table
+from stages.compaction import compact
 from stages.learner.shadow_attention import pad_evict_at
-from stages.synthetic_rollouts import synthetic_rollout, write_synthetic_inputs
+from stages.model import load_policy
+from stages.rollout.stage import rollout
+from stages.synthetic_rollouts import (
+    eviction_config,
+    synthetic_evict_at,
+    synthetic_rollout,
+    write_synthetic_inputs,
+)
 
 SHAPES = {
     "gqa": TinyModelParams(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -157,3 +177,137 @@ def model_chain(config, tokens: int) -> int:
     vocabulary and the weight gradients' sum over the tokens."""
     layer = attention_chain(tokens, tokens, config.head_dim) + 3 * config.hidden_size + config.intermediate_size
     return 2 * config.num_hidden_layers * layer + config.hidden_size + 2 * config.vocab_size + tokens
+
+
+# ------------------------------------------------------------------ learner inputs (rollout + compaction)
+TOL = 1e-5
+BASE = {
+    "rollout.prompts_per_iteration": 3,
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 7,
+    "rollout.batch_size": 6,
+    "rollout.temperature": 0.8,
+    "rollout.eviction.window": 4,
+    "rollout.eviction.sinks": 2,
+    "learner.micro_batch_size": 2,
+    "learner.lr": 1e-3,
+}
+
+
+def make_params(**over):
+    return load_params(None, [f"{k}={v}" for k, v in {**BASE, **over}.items()])
+
+
+def make_prompts(root: Path, lengths=(30, 45, 38), seed: int = 1) -> Path:
+    rows = [
+        {"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": "cat"}
+        for i, ids in enumerate(random_prompts(list(lengths), seed=seed))
+    ]
+    return write_table(rows, root / "train.arrow", "prompts")
+
+
+def set_rewards(path: Path, seed: int = 0) -> None:
+    """Replace the (all-zero, random-policy) rewards with varied ones so GRPO advantages are non-zero."""
+    table = read_table(path, "trajectories")
+    rows = table.to_pylist()
+    rng = np.random.default_rng(seed)
+    for row in rows:
+        row["reward"] = float(rng.integers(0, 3))
+    write_table(rows, path, "trajectories", table_config(table))
+
+
+def make_iteration(root: Path, model_dir: Path, prompts: Path, params, name: str = "it1") -> tuple[Path, Path]:
+    """Rollout (with varied rewards) + compaction: (trajectories.arrow, masks.zarr)."""
+    out = rollout(params, 1, model_dir, prompts, root / name / "rollout", show_progress=False)
+    set_rewards(out["trajectories"])
+    c = compact(CompactionParams(chunk_rows=2), out["trajectories"], out["raw_masks"], root / name / "compact" / "masks.zarr")
+    return out["trajectories"], c["masks"]
+
+
+def params_of(policy_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(policy_dir / "model.safetensors"))
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a torch.distributed rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ project copies (dvc repro, stage commands)
+ROOT = Path(__file__).resolve().parents[1]
+
+MICRO = {
+    "seed": 0,
+    "model": {"tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 512}},
+    "prepare": {"task": "kv_retrieval", "num_train": 32, "num_eval": 4, "context_tokens": 48, "num_pairs": 3,
+                "num_queries": 1},
+    "warmstart": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "eval_batch_size": 4},
+    "rollout": {"prompts_per_iteration": 3, "group_size": 2, "max_new_tokens": 5, "batch_size": 6,
+                "shard_rows": 4, "eviction": {"policy": "snapkv", "keep_ratio": 0.5, "sinks": 2, "window": 4}},
+    "learner": {"objective": "smd", "micro_batch_size": 3},
+    "evaluate": {"max_new_tokens": 5, "batch_size": 4},
+    "pipeline": {"num_iterations": 2},
+}
+
+
+def make_project(tmp_path: Path) -> Path:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for name in ("dvc.yaml", ".dvcignore"):
+        shutil.copy(ROOT / name, proj / name)
+    for name in ("cli", "stages", "schemas"):  # dvc.yaml deps name the code of each command
+        shutil.copytree(ROOT / name, proj / name, ignore=shutil.ignore_patterns("__pycache__"))
+    params = load_params(None, None).model_dump()
+    merge_into(params, MICRO)
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (proj / "iterations.yaml").write_text(iterations_yaml(params["pipeline"]["num_iterations"]))
+    run_ok(["dvc", "init", "--no-scm", "-q"], proj)
+    return proj
+
+
+def merge_into(base: dict, over: dict) -> None:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            merge_into(base[k], v)
+        else:
+            base[k] = v
+
+
+def subprocess_env() -> dict:
+    # Stage subprocesses must not inherit a rendezvous of this test process (other tests run learn in-process).
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                           "LOCAL_RANK")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def run_ok(cmd: list[str], cwd: Path, timeout: int = 1200) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ shadow-attention batches
+def flex_model_batch(tmp_path, policy: str, seed: int, ids_seed: int):
+    """Tiny GQA model and a 3-row batch (lengths 120/77/101, prompts 60/40/70) with synthetic masks."""
+    model = load_policy(make_model_dir(tmp_path, "gqa"))
+    lengths, prompts = [120, 77, 101], [60, 40, 70]
+    rng = np.random.default_rng(seed)
+    ev_cfg = eviction_config(policy, 0.5, sinks=2, window=4)
+    rows = [torch.from_numpy(synthetic_evict_at(policy, T, P, 2, 2, ev_cfg, rng).astype(np.int64))
+            for T, P in zip(lengths, prompts)]
+    T = max(lengths)
+    ids = torch.randint(4, 200, (3, T), generator=torch.Generator().manual_seed(ids_seed))
+    return model, ids, pad_evict_at(rows, T), prompts, [t - p for t, p in zip(lengths, prompts)]

@@ -12,8 +12,7 @@ import torch
 from schemas.params.learner import PARITY_TOL_BY_DTYPE, LearnerParams
 from stages.learner.engine import ds_config
 from stages.learner.train import learn
-from tests.helpers import make_model_dir
-from tests.test_learner import make_iteration, make_params, make_prompts, max_param_diff, params_of
+from tests.helpers import make_iteration, make_model_dir, make_params, make_prompts, max_param_diff, params_of
 
 
 def test_parity_gate_default_per_dtype():

@@ -27,7 +27,7 @@ import yaml
 from schemas.atomic import atomic_path, stale_temporaries
 from schemas.params import iterations_yaml
 from tests.forkserver import ForkServer
-from tests.test_pipeline_e2e import _env, _merge, _project, _run
+from tests.helpers import make_project, merge_into, run_ok, subprocess_env
 
 TEMPORARY = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}$")
 
@@ -119,10 +119,10 @@ TIMING_KEY = re.compile(r"seconds|minutes|per_s|peak_rss")
 
 def _crash_project(root: Path) -> Path:
     root.mkdir()
-    proj = _project(root)
+    proj = make_project(root)
     params = yaml.safe_load((proj / "params.yaml").read_text())
     # warmstart.max_minutes 0: no wall-clock cap, so the warm start is deterministic; one iteration
-    _merge(params, {"warmstart": {"max_minutes": 0, "target_exact_match": 0.0}, "pipeline": {"num_iterations": 1}})
+    merge_into(params, {"warmstart": {"max_minutes": 0, "target_exact_match": 0.0}, "pipeline": {"num_iterations": 1}})
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (proj / "iterations.yaml").write_text(iterations_yaml(1))
     return proj
@@ -171,7 +171,7 @@ def test_kill_9_inside_every_stage_then_rerun_gives_the_same_artifacts(tmp_path)
     all_outputs = [out for *_, outs, _ in STAGES for out in outs]
     rng = random.Random(13)
     tally = {"killed at a random delay": 0, "finished before the kill": 0, "killed inside the atomic write": 0}
-    server = ForkServer(_env())
+    server = ForkServer(subprocess_env())
     try:
         durations = {}
         for name, argv, _, _ in STAGES:  # the uninterrupted run
@@ -208,9 +208,9 @@ def test_kill_9_inside_every_stage_then_rerun_gives_the_same_artifacts(tmp_path)
 
     # Through DVC: upstream stages recorded in dvc.lock; `dvc repro compact@1` killed (the whole process group)
     # inside its write, then `dvc repro compact@1` again.
-    _run(["dvc", "commit", "-f", "-q", "iterations", "init-model", "prepare", "warmstart", "rollout@1"], crash)
+    run_ok(["dvc", "commit", "-f", "-q", "iterations", "init-model", "prepare", "warmstart", "rollout@1"], crash)
     watched = crash / "artifacts/iter-001/compact"
-    proc = subprocess.Popen(["dvc", "repro", "compact@1"], cwd=crash, env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(["dvc", "repro", "compact@1"], cwd=crash, env=subprocess_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
@@ -220,7 +220,7 @@ def test_kill_9_inside_every_stage_then_rerun_gives_the_same_artifacts(tmp_path)
         time.sleep(0.002)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _temporaries(crash), "dvc repro was killed inside compact's write, yet no temporary was left"
-    out = _run(["dvc", "repro", "compact@1"], crash)
+    out = run_ok(["dvc", "repro", "compact@1"], crash)
     assert "Running stage 'compact@1'" in out and "Running stage 'rollout@1'" not in out
     assert _temporaries(crash) == []
     assert _snapshot(crash, ["artifacts"]) == _snapshot(ref, ["artifacts"])

@@ -20,8 +20,7 @@ from stages.compaction import compact
 from stages.evaluate.stage import evaluate
 from stages.learner.train import learn
 from stages.rollout.stage import rollout
-from tests.helpers import make_model_dir, random_prompts
-from tests.test_learner import make_params
+from tests.helpers import make_model_dir, make_params, random_prompts
 
 # 3 prompts x 3 responses = 9 jobs in 5 batches of 2: rank 0 samples batches 0, 2, 4 and rank 1 batches 1, 3;
 # two shards per process (shard_rows 2).
@@ -29,7 +28,7 @@ OVER = {"rollout.group_size": 3, "rollout.batch_size": 2, "rollout.shard_rows": 
         "evaluate.max_new_tokens": 5}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -84,7 +83,7 @@ def two_processes(inputs):
     scenarios = [("rollout", "rollout", (model_dir, prompts, root / "two"), -1),
                  ("evaluate", "evaluate", (model_dir, prompts, root / "eval-two"), -1),
                  ("failed", "rollout", (model_dir, prompts, root / "failed" / "rollout"), 1)]
-    mp.spawn(_worker, args=(2, _free_port(), scenarios, report), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), scenarios, report), nprocs=2, join=True)
     return report
 
 

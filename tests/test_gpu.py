@@ -27,7 +27,7 @@ F32_EPS = torch.finfo(torch.float32).eps
 
 
 def _cuda_params(**over):
-    from tests.test_learner import make_params
+    from tests.helpers import make_params
 
     return make_params(**{"model.device": "cuda", **over})
 
@@ -44,8 +44,7 @@ def test_device_rule_on_cuda(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpu_root(tmp_path_factory):
-    from tests.helpers import make_model_dir
-    from tests.test_learner import make_prompts
+    from tests.helpers import make_model_dir, make_prompts
 
     root = tmp_path_factory.mktemp("gpu")
     return root, make_model_dir(root, "gqa"), make_prompts(root, lengths=(41, 23, 34, 29), seed=5)
@@ -57,7 +56,7 @@ def test_rollout_compact_learn_parity_on_cuda(gpu_root, tmp_path, policy, dtype)
     """The stages as `dvc repro` runs them, with model.device cuda: rollout on the GPU, compaction, then learn
     (DeepSpeed, one GPU, flex): the parity pass before the first step is the invariant."""
     from stages.learner.train import learn
-    from tests.test_learner import make_iteration
+    from tests.helpers import make_iteration
 
     root, model_dir, prompts = gpu_root
     over = {"rollout.eviction.policy": policy, "rollout.prompts_per_iteration": 4, "rollout.max_new_tokens": 12,
@@ -78,7 +77,7 @@ def test_rollout_compact_learn_parity_on_cuda(gpu_root, tmp_path, policy, dtype)
 
 def test_learner_under_deepspeed_on_one_gpu_trains(gpu_root, tmp_path):
     from stages.learner.train import learn
-    from tests.test_learner import make_iteration, max_param_diff, params_of
+    from tests.helpers import make_iteration, max_param_diff, params_of
 
     root, model_dir, prompts = gpu_root
     params = _cuda_params()

@@ -103,3 +103,15 @@ def test_nothing_points_outside_the_repository():
         if OUTSIDE in line
     ]
     assert not bad, "references outside the repository:\n" + "\n".join(bad)
+
+
+def test_no_test_module_imports_another():
+    """Test modules share code through tests/helpers.py (and fixtures through tests/conftest.py), never by
+    importing each other: a helper moved or renamed in one test module would break another."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _modules(ROOT / "tests")
+        for name in sorted(imported_modules(path))
+        if name.startswith("tests.test_")
+    ]
+    assert not bad, "move what several test modules use into tests/helpers.py:\n" + "\n".join(bad)

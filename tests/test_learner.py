@@ -11,74 +11,26 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
-import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from schemas.errors import SmdInputError
 from schemas.mask_store import open_mask_store, write_mask_store
-from schemas.params import load_params
-from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
-from schemas.tables import TRAJECTORIES_SCHEMA, read_table, table_config, trajectories_binding, write_table
-from stages.compaction import compact
+from schemas.tables import TRAJECTORIES_SCHEMA, read_table, trajectories_binding
 from stages.learner.data import load_learner_data
 from stages.learner.train import HEADLINE, learn, score_rows
 from stages.model import load_policy
-from stages.rollout.stage import rollout
-from tests.helpers import empty_params, make_model_dir, random_prompts, requires_cpu_flex
-
-TOL = 1e-5
-BASE = {
-    "rollout.prompts_per_iteration": 3,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 7,
-    "rollout.batch_size": 6,
-    "rollout.temperature": 0.8,
-    "rollout.eviction.window": 4,
-    "rollout.eviction.sinks": 2,
-    "learner.micro_batch_size": 2,
-    "learner.lr": 1e-3,
-}
-
-
-def make_params(**over):
-    return load_params(None, [f"{k}={v}" for k, v in {**BASE, **over}.items()])
-
-
-def make_prompts(root: Path, lengths=(30, 45, 38), seed: int = 1) -> Path:
-    rows = [
-        {"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": "cat"}
-        for i, ids in enumerate(random_prompts(list(lengths), seed=seed))
-    ]
-    return write_table(rows, root / "train.arrow", "prompts")
-
-
-def set_rewards(path: Path, seed: int = 0) -> None:
-    """Replace the (all-zero, random-policy) rewards with varied ones so GRPO advantages are non-zero."""
-    table = read_table(path, "trajectories")
-    rows = table.to_pylist()
-    rng = np.random.default_rng(seed)
-    for row in rows:
-        row["reward"] = float(rng.integers(0, 3))
-    write_table(rows, path, "trajectories", table_config(table))
-
-
-def make_iteration(root: Path, model_dir: Path, prompts: Path, params, name: str = "it1") -> tuple[Path, Path]:
-    """Rollout (with varied rewards) + compaction: (trajectories.arrow, masks.zarr)."""
-    out = rollout(params, 1, model_dir, prompts, root / name / "rollout", show_progress=False)
-    set_rewards(out["trajectories"])
-    c = compact(CompactionParams(chunk_rows=2), out["trajectories"], out["raw_masks"], root / name / "compact" / "masks.zarr")
-    return out["trajectories"], c["masks"]
-
-
-def params_of(policy_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(policy_dir / "model.safetensors"))
-
-
-def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+from tests.helpers import (
+    TOL,
+    empty_params,
+    make_iteration,
+    make_model_dir,
+    make_params,
+    make_prompts,
+    max_param_diff,
+    params_of,
+    requires_cpu_flex,
+)
 
 
 def tree_digest(path: Path) -> str:

@@ -23,8 +23,16 @@ from stages.learner.shadow_attention import (
 from stages.learner.train import learn
 from stages.model import load_policy
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir, requires_cpu_flex
-from tests.test_learner import TOL, make_iteration, make_params, make_prompts, max_param_diff, params_of
+from tests.helpers import (
+    TOL,
+    make_iteration,
+    make_model_dir,
+    make_params,
+    make_prompts,
+    max_param_diff,
+    params_of,
+    requires_cpu_flex,
+)
 
 
 def _batch():

@@ -12,8 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from stages.learner.train import learn
-from tests.helpers import make_model_dir
-from tests.test_learner import make_iteration, make_params, make_prompts, max_param_diff, params_of
+from tests.helpers import make_iteration, make_model_dir, make_params, make_prompts, max_param_diff, params_of
 
 # 3 prompts x 3 responses = 9 rows: ranks get 5 and 4 rows, i.e. 3 and 2 (+1 zero-weight filler) micro-batches.
 # Adam's first step is lr * g / (|g| + eps): for weights whose gradient is ~eps it amplifies the float32
@@ -31,7 +30,7 @@ def _worker(rank: int, world: int, port: int, args: tuple) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +45,7 @@ def test_two_processes_equal_one(tmp_path: Path, zero_stage: int):
     one = tmp_path / "one" / "policy"
     two = tmp_path / "two" / "policy"
     for world, out in ((1, one), (2, two)):
-        mp.spawn(_worker, args=(world, _free_port(), (zero_stage, model_dir, traj, masks, out)), nprocs=world,
+        mp.spawn(_worker, args=(world, free_port(), (zero_stage, model_dir, traj, masks, out)), nprocs=world,
                  join=True)
     before, a, b = params_of(model_dir), params_of(one), params_of(two)
     assert max_param_diff(before, a) > 5e-5  # a real update (lr 1e-4)
@@ -76,7 +75,7 @@ def test_resume_two_to_one_process_keeps_optimizer(tmp_path: Path):
     first, two, one = (tmp_path / name / "policy" for name in ("first", "two", "one"))
     for world, jobs in ((2, [(model_dir, traj, masks, first), (first, traj, masks, two)]),
                         (1, [(first, traj, masks, one)])):
-        mp.spawn(_resume_worker, args=(world, _free_port(), jobs), nprocs=world, join=True)
+        mp.spawn(_resume_worker, args=(world, free_port(), jobs), nprocs=world, join=True)
     assert max_param_diff(params_of(first), params_of(two)) > 5e-5  # the second step moved the weights
     assert max_param_diff(params_of(two), params_of(one)) <= 1e-6
     details = json.loads((one.parent / "learn" / "details.json").read_text())
@@ -118,7 +117,7 @@ def test_a_rank_failing_mid_write_fails_every_rank_and_writes_nothing(tmp_path: 
     traj, masks = make_iteration(tmp_path, model_dir, prompts, make_params(**OVER))
     out, report = tmp_path / "run" / "policy", tmp_path / "report"
     report.mkdir()
-    context = mp.spawn(_failing_write_worker, args=(2, _free_port(), (model_dir, traj, masks, out, report)),
+    context = mp.spawn(_failing_write_worker, args=(2, free_port(), (model_dir, traj, masks, out, report)),
                        nprocs=2, join=False)
     for _ in range(60):  # 5 minutes at most, then the test fails instead of hanging CI
         if context.join(timeout=5):

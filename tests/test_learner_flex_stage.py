@@ -22,8 +22,16 @@ from stages.learner.flex_backend import (
 from stages.learner.shadow_attention import pad_evict_at
 from stages.learner.train import learn
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import make_model_dir, requires_cpu_flex
-from tests.test_learner import TOL, make_iteration, make_params, make_prompts, max_param_diff, params_of
+from tests.helpers import (
+    TOL,
+    make_iteration,
+    make_model_dir,
+    make_params,
+    make_prompts,
+    max_param_diff,
+    params_of,
+    requires_cpu_flex,
+)
 
 
 def test_cpu_flex_codegen_patch_is_in_place():

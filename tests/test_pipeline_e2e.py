@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,63 +18,8 @@ import pytest
 import yaml
 
 from schemas.mask_store import open_mask_store, read_mask_rows
-from schemas.params import iterations_yaml, load_params
 from schemas.tables import read_table
-
-ROOT = Path(__file__).resolve().parents[1]
-
-MICRO = {
-    "seed": 0,
-    "model": {"tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 512}},
-    "prepare": {"task": "kv_retrieval", "num_train": 32, "num_eval": 4, "context_tokens": 48, "num_pairs": 3,
-                "num_queries": 1},
-    "warmstart": {"steps": 4, "batch_size": 8, "warmup_steps": 1, "eval_batch_size": 4},
-    "rollout": {"prompts_per_iteration": 3, "group_size": 2, "max_new_tokens": 5, "batch_size": 6,
-                "shard_rows": 4, "eviction": {"policy": "snapkv", "keep_ratio": 0.5, "sinks": 2, "window": 4}},
-    "learner": {"objective": "smd", "micro_batch_size": 3},
-    "evaluate": {"max_new_tokens": 5, "batch_size": 4},
-    "pipeline": {"num_iterations": 2},
-}
-
-
-def _project(tmp_path: Path) -> Path:
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    for name in ("dvc.yaml", ".dvcignore"):
-        shutil.copy(ROOT / name, proj / name)
-    for name in ("cli", "stages", "schemas"):  # dvc.yaml deps name the code of each command
-        shutil.copytree(ROOT / name, proj / name, ignore=shutil.ignore_patterns("__pycache__"))
-    params = load_params(None, None).model_dump()
-    _merge(params, MICRO)
-    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (proj / "iterations.yaml").write_text(iterations_yaml(params["pipeline"]["num_iterations"]))
-    _run(["dvc", "init", "--no-scm", "-q"], proj)
-    return proj
-
-
-def _merge(base: dict, over: dict) -> None:
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        else:
-            base[k] = v
-
-
-def _env() -> dict:
-    # Stage subprocesses must not inherit a rendezvous of this test process (other tests run learn in-process).
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                           "LOCAL_RANK")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["DS_ACCELERATOR"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
-def _run(cmd: list[str], cwd: Path, timeout: int = 1200) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + proc.stderr
+from tests.helpers import make_project, run_ok, subprocess_env
 
 
 def _wait_for_process(session: int, words: list[str], timeout: float = 120.0) -> None:
@@ -98,7 +41,7 @@ def _wait_for_process(session: int, words: list[str], timeout: float = 120.0) ->
 
 @pytest.mark.slow
 def test_dvc_pipeline_end_to_end(tmp_path):
-    proj = _project(tmp_path)
+    proj = make_project(tmp_path)
     art = proj / "artifacts"
 
     # Kill the run (SIGKILL) inside learn@2, then resume. DVC's output is buffered (its "Running stage" line may come
@@ -106,7 +49,7 @@ def test_dvc_pipeline_end_to_end(tmp_path):
     # interrupted while it is still starting (imports, DeepSpeed).
     log_path = tmp_path / "repro.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(["dvc", "repro"], cwd=proj, env=_env(), stdout=log_file, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(["dvc", "repro"], cwd=proj, env=subprocess_env(), stdout=log_file, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
             _wait_for_process(proc.pid, ["learn", "--iteration", "2"], timeout=900)
@@ -122,7 +65,7 @@ def test_dvc_pipeline_end_to_end(tmp_path):
     assert "Running stage 'learn@2'" in log, log[-3000:]
     assert not (art / "iter-002" / "policy").exists()
     before = {p: p.stat().st_mtime_ns for p in (art / "iter-001" / "rollout").rglob("*") if p.is_file()}
-    out = _run(["dvc", "repro"], proj)
+    out = run_ok(["dvc", "repro"], proj)
     assert "Running stage 'rollout@1'" not in out and "Running stage 'learn@1'" not in out
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
@@ -144,13 +87,13 @@ def test_dvc_pipeline_end_to_end(tmp_path):
         assert json.loads((art / f"iter-{it}" / "progress.json").read_text())["rows"][-1]["iteration"] == int(it)
 
     # Nothing to do the second time.
-    assert "Data and pipelines are up to date" in _run(["dvc", "status"], proj)
-    out = _run(["dvc", "repro"], proj)
+    assert "Data and pipelines are up to date" in run_ok(["dvc", "status"], proj)
+    out = run_ok(["dvc", "repro"], proj)
     assert "Running stage" not in out
 
     # A learner-only change touches learn@1 and what follows, not rollout@1.
     params = yaml.safe_load((proj / "params.yaml").read_text())
     params["learner"]["lr"] = params["learner"]["lr"] * 2
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    status = _run(["dvc", "status"], proj)
+    status = run_ok(["dvc", "status"], proj)
     assert "learn@1:" in status and "rollout@1:" not in status and "compact@1:" not in status

@@ -17,11 +17,10 @@ from stages.learner.flex_backend import (
     padded_length,
 )
 from stages.learner.shadow_attention import pad_evict_at, response_logits
-from stages.model import load_policy
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 from tests.helpers import (
     attention_chain,
-    make_model_dir,
+    flex_model_batch,
     model_chain,
     requires_cpu_flex,
     within_float32_bound,
@@ -95,22 +94,9 @@ def test_flex_attention_equals_sdpa_forward_and_backward():
             assert (flex_shadow_attention(q, k, v, ev[0], D**-0.5, masks, 0) - ref).abs().max().item() <= TOL
 
 
-def _model_batch(tmp_path, policy: str, seed: int, ids_seed: int):
-    """Tiny GQA model and a 3-row batch (lengths 120/77/101, prompts 60/40/70) with synthetic masks."""
-    model = load_policy(make_model_dir(tmp_path, "gqa"))
-    lengths, prompts = [120, 77, 101], [60, 40, 70]
-    rng = np.random.default_rng(seed)
-    ev_cfg = eviction_config(policy, 0.5, sinks=2, window=4)
-    rows = [torch.from_numpy(synthetic_evict_at(policy, T, P, 2, 2, ev_cfg, rng).astype(np.int64))
-            for T, P in zip(lengths, prompts)]
-    T = max(lengths)
-    ids = torch.randint(4, 200, (3, T), generator=torch.Generator().manual_seed(ids_seed))
-    return model, ids, pad_evict_at(rows, T), prompts, [t - p for t, p in zip(lengths, prompts)]
-
-
 @requires_cpu_flex
 def test_model_logits_and_gradients_flex_equal_sdpa(tmp_path):
-    model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
+    model, ids, evict_at, prompts, resp = flex_model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
     results = {}
     for backend in ("sdpa", "flex"):
         model.zero_grad()
@@ -130,7 +116,7 @@ def test_shared_prefix_teacher_pass_equals_separate_passes(tmp_path, backend):
     """Policy + teacher over a shared prefill (one prefix pass into a KV cache) == two full forwards."""
     from stages.learner.shadow_attention import response_logits_with_teacher, shared_prefix_length
 
-    model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "snapkv", seed=4, ids_seed=1)
+    model, ids, evict_at, prompts, resp = flex_model_batch(tmp_path, "snapkv", seed=4, ids_seed=1)
     assert shared_prefix_length(evict_at, prompts, 16) == 32  # first eviction at 40 (prompt), block 16
 
     def grads():

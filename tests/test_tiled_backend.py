@@ -14,8 +14,7 @@ from schemas.masks import visibility
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.learner.tiled_backend import tiled_shadow_attention
 from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
-from tests.helpers import attention_chain, model_chain, within_float32_bound
-from tests.test_shadow_attention_flex import _model_batch
+from tests.helpers import attention_chain, flex_model_batch, model_chain, within_float32_bound
 
 TOL = 1e-5
 
@@ -88,7 +87,7 @@ def test_tiled_refuses_a_non_cpu_device():
 
 
 def test_model_logits_and_gradients_tiled_equal_sdpa(tmp_path):
-    model, ids, evict_at, prompts, resp = _model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
+    model, ids, evict_at, prompts, resp = flex_model_batch(tmp_path, "h2o", seed=3, ids_seed=0)
     results = {}
     for backend in ("sdpa", "tiled"):
         model.zero_grad()
