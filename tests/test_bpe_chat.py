@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -64,6 +65,7 @@ def test_init_model_bpe_is_deterministic_and_validated(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_init_model_bpe_chat_prompts_through_learn(tmp_path):
     """init-model (bpe, through the CLI) -> prepare (chat template) -> rollout -> compact -> learn: the learner's
     shadow-masked log-probs equal the rollout's within 1e-5, and learn's parity gate passes and it trains."""

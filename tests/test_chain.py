@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -17,6 +18,7 @@ SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_
         "evaluate.max_new_tokens=4", "evaluate.batch_size=4"]
 
 
+@pytest.mark.slow
 def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
     model_dir = make_model_dir(tmp_path, "gqa")
     data = write_prompt_splits(tmp_path / "data")

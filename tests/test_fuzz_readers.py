@@ -249,6 +249,7 @@ EXAMPLES = {"prompts": 14, "trajectories": 18, "raw masks": 18, "compacted masks
             "trainer_state": 12, "metrics": 20, "params": 20}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader_name", list(READERS))
 def test_a_damaged_artifact_is_refused_with_one_line_or_still_valid(base, reader_name):
     @settings(FUZZ, max_examples=EXAMPLES[reader_name])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from schemas.params import load_params
@@ -67,6 +68,7 @@ def run_toy_rl(root: Path, sign: float) -> list[float]:
     return curve
 
 
+@pytest.mark.slow
 def test_toy_reward_rises_and_falls_with_the_advantage_sign(tmp_path):
     up = run_toy_rl(tmp_path / "up", +1.0)
     down = run_toy_rl(tmp_path / "down", -1.0)

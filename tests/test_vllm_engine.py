@@ -28,6 +28,8 @@ from stages.rollout.stage import rollout
 from tests.helpers import empty_params, make_model_dir, random_prompts
 
 TOL = 1e-5  # docs/design.md §3: float32 on CPU
+# vLLM's engine start-up (tens of seconds on the CPU) makes every test here slow: out of the fast loop.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
