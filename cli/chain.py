@@ -58,6 +58,7 @@ def register(app: typer.Typer) -> None:
             it = run.iteration(n)
             evaluated = n % eval_every == 0 or n == total
             if it.progress.exists() and (not evaluated or (it.evaluate / METRICS).exists()):
+                drop_older_trainer_state(run, n)  # a chain killed between progress.json and this cleanup
                 continue  # done in an earlier run of this chain
             policy = run.start_policy(n, warmstart)
             t0 = time.perf_counter()
@@ -91,11 +92,19 @@ def run_iteration(p: Params, n: int, policy: Path, run: RunLayout, data: Path, e
     out = run_rollout(p, n, policy, data / TRAIN_PROMPTS, it.rollout, show_progress=False)
     compact(p.compaction, out["trajectories"], out["raw_masks"], it.masks)
     learn(p, n, policy, out["trajectories"], it.masks, it.policy, it.learn)
-    if n > 1:  # only the newest policy's optimizer state is needed to resume
-        shutil.rmtree(run.iteration(n - 1).policy / "trainer_state", ignore_errors=True)
     if evaluated:
         run_evaluate(p, n, it.policy, data / EVAL_PROMPTS, it.evaluate, show_progress=False)
     progress(n, run.artifacts)
+    drop_older_trainer_state(run, n)
+
+
+def drop_older_trainer_state(run, n: int) -> None:
+    """Only the newest policy's optimizer state is needed to resume: remove iteration n-1's, once iteration n is
+    complete (its progress.json written). Not before: a chain killed inside iteration n reruns it whole, and its
+    learn resumes from n-1's optimizer state (found by scripts/fault_soak.py: removing it right after learn n
+    made a rerun of n start Adam afresh, and every later iteration differ)."""
+    if n > 1:
+        shutil.rmtree(run.iteration(n - 1).policy / "trainer_state", ignore_errors=True)
 
 
 def in_own_process(stage: Callable[..., T], *args: Any, **kwargs: Any) -> T:
