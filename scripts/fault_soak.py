@@ -112,8 +112,15 @@ def snapshot(run: Path) -> dict[str, str]:
 
 def activity(run: Path) -> tuple[int, int]:
     """(entries, newest mtime) under `run`/artifacts: changes once a started chain writes anything."""
-    entries = list((run / "artifacts").rglob("*")) if (run / "artifacts").exists() else []
-    return len(entries), max((e.stat().st_mtime_ns for e in entries if e.exists()), default=0)
+    count, newest = 0, 0
+    for top, dirs, files in os.walk(run / "artifacts", onerror=lambda err: None):  # renamed under us: skip
+        for name in dirs + files:
+            try:
+                newest = max(newest, os.stat(os.path.join(top, name), follow_symlinks=False).st_mtime_ns)
+                count += 1
+            except OSError:
+                pass
+    return count, newest
 
 
 def temporaries(run: Path) -> list[str]:
@@ -158,6 +165,7 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
     print(f"reference: {iterations} iterations in {ref_seconds:.0f} s ({startup_s:.0f} s start-up, "
           f"{iteration_s:.1f} s per iteration), {len(expected)} files", flush=True)
     rng = random.Random(seed)
+    per_iteration_files = max(1, len(list((ref / "artifacts").rglob("*"))) // iterations)
     kills = finished_early = partial = starts = 0
     hit: set[int] = set()  # the iterations the kills landed in (the one after the last with progress.json)
     stale = 0  # JIT-extension locks left by a kill (each would hang every later start)
@@ -167,14 +175,18 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
         proc = subprocess.Popen(chain_argv(proj, run, iterations), cwd=proj, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         if kills < kills_wanted:
-            # a moment up to ~3 iterations after the chain starts writing (start-up time varies with the machine's
-            # load, so it is waited out, not guessed): kills land in every stage, and the chain gets ahead
-            # between kills (a killed iteration reruns whole), so they spread over the iterations
+            # a moment measured in progress, not in seconds (an iteration takes 1 s on an idle machine and 10 s on
+            # a loaded one): once the chain writes, let it publish 1 .. 2 iterations' worth of entries, then a
+            # jitter of up to half a second. Kills land in every stage, and the chain gets ahead between kills (a
+            # killed iteration reruns whole), so they spread over the iterations.
             before = activity(run)
             started = time.monotonic()
             while proc.poll() is None and activity(run) == before and time.monotonic() - started < 600:
                 time.sleep(0.05)
-            delay = rng.uniform(0.0, 3.0 * iteration_s)
+            target = activity(run)[0] + rng.randint(1, 2 * per_iteration_files)
+            while proc.poll() is None and activity(run)[0] < target and time.monotonic() - started < 600:
+                time.sleep(0.02)
+            delay = rng.uniform(0.0, 0.5)
             try:
                 proc.wait(timeout=delay)
                 if proc.returncode:
@@ -185,13 +197,13 @@ def soak(proj: Path, work: Path, iterations: int, kills_wanted: int, seed: int) 
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 kills += 1
-                hit.add(1 + len(list((run / "artifacts").glob("iter-*/progress.json"))))
+                hit_now = 1 + len(list((run / "artifacts").glob("iter-*/progress.json")))
+                hit.add(hit_now)
                 present = snapshot(run)
                 # nothing partial is published: each file present equals the reference's (the chain keeps the
                 # trainer state of the newest policy only, so an older one may still be here mid-run)
                 partial += sum(1 for k, v in present.items() if k in expected and expected[k] != v)
-                print(f"kill {kills} {delay:.1f} s after the chain started writing: {len(present)} files present",
-                      flush=True)
+                print(f"kill {kills} in iteration {max(hit_now, 1)}: {len(present)} files present", flush=True)
                 continue
         else:
             err = proc.communicate()[1]
