@@ -259,6 +259,12 @@ def open_mask_store(path: str | Path) -> MaskStore:
     return store
 
 
+def verify_array(store: MaskStore, name: str) -> None:
+    """Read array `name` whole, so that every chunk's crc32c is checked: for an array a reader does not otherwise
+    read (the learner never reads `kept_final`), a damaged chunk is still one line naming it."""
+    _read_slice(store, name, 0, getattr(store, name).shape[0], (0, store.num_rows - 1))
+
+
 def _as_store(path: str | Path | MaskStore) -> MaskStore:
     return path if isinstance(path, MaskStore) else open_mask_store(path)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from schemas.errors import SmdInputError
-from schemas.mask_store import MaskStore, open_mask_store, read_mask_rows
+from schemas.mask_store import MaskStore, open_mask_store, read_mask_rows, verify_array
 from schemas.params.learner import LearnerParams
 from schemas.tables import check_binding, read_table, table_config
 from stages.learner.metrics import check_finite
@@ -135,6 +135,7 @@ def load_learner_data(
         data.store = open_mask_store(masks_path)
         check_binding(data.store.attrs.get("trajectories"), table, masks_path, traj_path)
         _check_store(data.store, data, num_layers, num_kv_heads)
+        verify_array(data.store, "kept_final")  # bit-packed, ~1/32 of evict_at: the whole store is checked
     return data
 
 

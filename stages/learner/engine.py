@@ -217,7 +217,8 @@ def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistC
             load_path, client = engine.load_checkpoint(str(directory), tag=STATE_TAG, load_optimizer_states=True,
                                                        load_lr_scheduler_states=False, load_module_strict=True)
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
-            pickle.UnpicklingError) as exc:  # torch.load of a cut or damaged file, a state of another model
+            AssertionError, pickle.UnpicklingError) as exc:
+        # torch.load of a cut or damaged file, a state of another model; DeepSpeed asserts on missing files
         raise SmdInputError(f"{directory}: unreadable DeepSpeed checkpoint ({exc.__class__.__name__}); remove it to "
                             "start with a fresh optimizer") from exc
     if load_path is None:  # DeepSpeed found no checkpoint under its tag (it logs why)
