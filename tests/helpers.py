@@ -260,7 +260,9 @@ MICRO = {
 }
 
 
-def make_project(tmp_path: Path) -> Path:
+def make_project(tmp_path: Path, over: dict | None = None, git: bool = False) -> Path:
+    """A DVC project copy (code, dvc.yaml) with the micro params (and `over` merged on top); with `git`, a
+    committed git repository too (`dvc exp run` needs one)."""
     proj = tmp_path / "proj"
     proj.mkdir()
     for name in ("dvc.yaml", ".dvcignore"):
@@ -269,9 +271,17 @@ def make_project(tmp_path: Path) -> Path:
         shutil.copytree(ROOT / name, proj / name, ignore=shutil.ignore_patterns("__pycache__"))
     params = load_params(None, None).model_dump()
     merge_into(params, MICRO)
+    merge_into(params, over or {})
     (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (proj / "iterations.yaml").write_text(iterations_yaml(params["pipeline"]["num_iterations"]))
-    run_ok(["dvc", "init", "--no-scm", "-q"], proj)
+    if not git:
+        run_ok(["dvc", "init", "--no-scm", "-q"], proj)
+        return proj
+    as_user = ["git", "-c", "user.name=smd-test", "-c", "user.email=smd-test@localhost"]
+    run_ok(["git", "init", "-q"], proj)
+    run_ok(["dvc", "init", "-q"], proj)
+    run_ok([*as_user, "add", "."], proj)
+    run_ok([*as_user, "commit", "-q", "-m", "micro"], proj)
     return proj
 
 

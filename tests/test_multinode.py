@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,14 +26,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cli.launch import SSH_CHECK_TIMEOUT_S, check_nodes, hostfile_nodes
 from schemas.errors import SmdInputError
-from schemas.params import iterations_yaml, load_params
+from schemas.params import load_params
 from stages.distributed import DistContext, SmdRankLost, lost_peer
 from tests import multinode
-from tests.helpers import MICRO, ROOT, max_param_diff, merge_into, params_of
+from tests.helpers import ROOT, make_project, max_param_diff, params_of
 
 # The e2e micro pipeline with every stage split over both processes: 3 rollout batches of 2 (rank 0 samples
 # 0 and 2, rank 1 batch 1), 3 trajectories per learner process, 2 eval batches of 2.
@@ -94,27 +92,6 @@ def run_on_node1(nodes: multinode.Cluster, proj: Path, command: str, timeout: fl
     return subprocess.run(on_node1(nodes, proj, command), capture_output=True, text=True, timeout=timeout)
 
 
-def make_project(root: Path) -> Path:
-    """A git + DVC project copy with the micro params (`dvc exp run` needs a git repository)."""
-    proj = root / "proj"
-    proj.mkdir()
-    for name in ("dvc.yaml", ".dvcignore"):
-        shutil.copy(ROOT / name, proj / name)
-    for name in ("cli", "stages", "schemas"):  # dvc.yaml deps name the code of each command
-        shutil.copytree(ROOT / name, proj / name, ignore=shutil.ignore_patterns("__pycache__"))
-    params = load_params(None, None).model_dump()
-    merge_into(params, MICRO)
-    merge_into(params, OVER)
-    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (proj / "iterations.yaml").write_text(iterations_yaml(params["pipeline"]["num_iterations"]))
-    git = ["git", "-c", "user.name=smd-test", "-c", "user.email=smd-test@localhost"]
-    run_ok(["git", "init", "-q"], proj)
-    run_ok(["dvc", "init", "-q"], proj)
-    run_ok([*git, "add", "."], proj)
-    run_ok([*git, "commit", "-q", "-m", "micro"], proj)
-    return proj
-
-
 def _one_process_stages(proj: Path, out: Path) -> None:
     """Each iteration's rollout, compact, learn and evaluate again on 1 process (in this process), from the 2-node
     run's own inputs (its policy of the iteration before, its trajectories and masks), with the relative paths
@@ -154,7 +131,7 @@ def runs(cluster, tmp_path_factory):
     (`dvc exp run -S pipeline.hostfile=... -S pipeline.processes=1`), then every stage of it on 1 process.
     Returns (project, the 1-process stages' outputs, the 2-node run's log)."""
     root = tmp_path_factory.mktemp("multinode-runs")
-    proj = make_project(root)
+    proj = make_project(root, OVER, git=True)
     hosts = cluster.hostfile(["node1", "node2"])
     start = time.monotonic()
     multi = run_on_node1(cluster, proj, f"dvc exp run -S pipeline.hostfile={hosts} -S pipeline.processes=1")
