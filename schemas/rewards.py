@@ -144,13 +144,16 @@ def rouge_l(prediction: str, reference: str) -> float:
     return float(_rouge().score(reference, prediction)["rougeL"].fmeasure)
 
 
+def positional_fraction(predicted: list, reference: list) -> float:
+    """Fraction of the reference's items that the prediction has at the same position (0 for an empty one)."""
+    if not reference:
+        return 0.0
+    return sum(1 for r, p in zip(reference, predicted, strict=False) if r == p) / len(reference)
+
+
 def kv_fraction(prediction: str, reference: str) -> float:
     """Fraction of reference values that the prediction gives at the same position."""
-    ref = numbers_in(reference)
-    if not ref:
-        return 0.0
-    pred = numbers_in(prediction)
-    return sum(1 for r, p in zip(ref, pred, strict=False) if r == p) / len(ref)
+    return positional_fraction(numbers_in(prediction), numbers_in(reference))
 
 
 def answer_units(text: str) -> list[str]:
@@ -160,11 +163,7 @@ def answer_units(text: str) -> list[str]:
 
 def unit_fraction(prediction: str, reference: str) -> float:
     """Fraction of reference units that the prediction gives at the same position."""
-    ref = answer_units(reference)
-    if not ref:
-        return 0.0
-    pred = answer_units(prediction)
-    return sum(1 for r, p in zip(ref, pred, strict=False) if r == p) / len(ref)
+    return positional_fraction(answer_units(prediction), answer_units(reference))
 
 
 def score(task: str, response_text: str, reference: str) -> float:
