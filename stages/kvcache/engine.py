@@ -448,16 +448,17 @@ _COMPILED_STEPS: dict[int, Any] = {}
 def compiled_decode_step(model):
     """`_decode_step` through `torch.compile` (one compiled function per model object, reused across batches).
 
-    The step's shapes are static (the slot cache has a fixed capacity), so after a warm-up the same graph
-    runs every step: on a GPU, with `mode="reduce-overhead"`, as CUDA graphs. What varies per step (positions,
-    keep counts) enters as tensors; whether a step evicts (the schedule's excess, 0 or 1) selects one of two
-    graphs.
+    The step's shapes are static within a batch (the slot cache has a fixed capacity), so after a warm-up the
+    same graph runs every step: on a GPU, with `mode="reduce-overhead"`, as CUDA graphs. What varies per step
+    (positions, keep counts) enters as tensors; whether a step evicts (the schedule's excess, 0 or 1) selects
+    one of two graphs. Between batches the capacity and the batch size may change: torch.compile's automatic
+    dynamic shapes then compile one graph with those sizes symbolic instead of one per batch.
     """
     key = id(model)
     if key not in _COMPILED_STEPS:
         device = next(model.parameters()).device
         mode = "reduce-overhead" if device.type == "cuda" else None
-        _COMPILED_STEPS[key] = torch.compile(_decode_step, mode=mode, dynamic=False)
+        _COMPILED_STEPS[key] = torch.compile(_decode_step, mode=mode)
     return _COMPILED_STEPS[key]
 
 
