@@ -64,25 +64,29 @@ def progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
               "config": {"iteration": iteration, "artifacts": str(artifacts)}, "rows": rows}
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(record, indent=2))
-    # TensorBoard's view of iterations 0..i (the warm start as 0), rebuilt from the artifacts
-    write_tensorboard(artifacts, [r for r in summary_table(artifacts) if r["iteration"] <= iteration],
-                      list(range(1, iteration + 1)))
+    # TensorBoard's view of iterations 0..i (the warm start as 0), from the rows just gathered
+    warm = warmstart_row(artifacts)
+    write_tensorboard(artifacts, ([warm] if warm else []) + rows, list(range(1, iteration + 1)))
     return out
+
+
+def warmstart_row(artifacts: Path) -> dict | None:
+    """The warm start as iteration 0: its greedy eval is a dense one, reported under the evaluate stage's names."""
+    warm = _read(RunLayout(artifacts).warmstart / METRICS)
+    if not warm:
+        return None
+    row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float) and k != "schema_version"}}
+    for src, dst in (("reward", "eval/dense/score"), ("exact_match", "eval/dense/exact_match"),
+                     ("reference_nll", "eval/dense/reference_nll")):
+        if isinstance(warm.get(src), int | float):
+            row[dst] = warm[src]
+    return row
 
 
 def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
     """Rows for every iteration that has any metrics (warm start as iteration 0)."""
     artifacts = Path(artifacts)
-    rows = []
-    run = RunLayout(artifacts)
-    warm = _read(run.warmstart / METRICS)
-    if warm:
-        # The warm start's greedy eval is a dense one: report it under the evaluate stage's names.
-        row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float) and k != "schema_version"}}
-        for src, dst in (("reward", "eval/dense/score"), ("exact_match", "eval/dense/exact_match"),
-                         ("reference_nll", "eval/dense/reference_nll")):
-            if isinstance(warm.get(src), int | float):
-                row[dst] = warm[src]
-        rows.append(row)
-    rows.extend(iteration_row(artifacts, n) for n in run.iterations())
+    warm = warmstart_row(artifacts)
+    rows = [warm] if warm else []
+    rows.extend(iteration_row(artifacts, n) for n in RunLayout(artifacts).iterations())
     return rows
