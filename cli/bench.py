@@ -35,7 +35,7 @@ def bench_compaction(
     json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON here.")] = None,
 ) -> None:
     """Compacted size vs dense bitmask and raw int32, compaction throughput, micro-batch read vs learner step."""
-    from stages.compaction.bench import run_compaction_bench
+    from stages.bench.compaction import run_compaction_bench
 
     guarded(
         lambda: run_compaction_bench(
@@ -77,13 +77,13 @@ def bench_rollout_cmd(
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
     wall time side by side."""
     if processes:
-        from stages.rollout.scale_bench import bench_rollout_processes
+        from stages.bench.rollout_scale import bench_rollout_processes
 
         guarded(lambda: bench_rollout_processes([int(x) for x in processes.split(",") if x], threads, policy,
                                                 prompts, group_size, prompt_tokens, new_tokens or 16,
                                                 batch_size or 16, repeats or 2))
         return
-    from stages.rollout.bench import bench_rollout
+    from stages.bench.rollout import bench_rollout
 
     guarded(lambda: bench_rollout([x.strip() for x in lengths.split(",") if x.strip()], keep_ratio, batch_size or 4,
                                   new_tokens or 128, repeats or 3, device=device, compile=compile))
@@ -103,7 +103,7 @@ def bench_engine_cmd(
     repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement; the fastest counts.")] = 2,
 ) -> None:
     """smd's engine vs vLLM for dense generation: start-up, rollout and eval tokens/s side by side (needs vLLM)."""
-    from stages.rollout.engine_bench import bench_engines
+    from stages.bench.rollout_engines import bench_engines
 
     guarded(lambda: bench_engines(policy, prompts, num_prompts, prompt_tokens, rollout_prompts, group_size, new_tokens,
                                   batch_size, temperature, repeats))
@@ -127,7 +127,7 @@ def bench_learner_cmd(
     dtype: Annotated[str, typer.Option(help="On a GPU: float32 or bfloat16.")] = "float32",
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
-    from stages.learner.bench import run_learner_bench
+    from stages.bench.learner import run_learner_bench
 
     def split(text: str | None) -> list[str] | None:
         return [x.strip() for x in text.split(",") if x.strip()] if text else None

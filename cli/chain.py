@@ -74,11 +74,11 @@ def write_params(path: Path, p: Params) -> None:
 
 def run_iteration(p: Params, n: int, policy: Path, run: RunLayout, data: Path, evaluated: bool) -> None:
     """One iteration's stages in order, with the artifact paths dvc.yaml declares (`schemas.layout`)."""
-    from stages.compaction import compact
-    from stages.evaluate.stage import evaluate
-    from stages.learner.train import learn
-    from stages.reporting.progress import progress
-    from stages.rollout.stage import rollout
+    from stages.compaction import run_compaction
+    from stages.evaluate.stage import run_evaluate
+    from stages.learner.train import run_learner
+    from stages.progress.stage import run_progress
+    from stages.rollout.stage import run_rollout
 
     it = run.iteration(n)
     for stale in (it.rollout, it.compact, it.learn, it.policy, it.evaluate):
@@ -87,14 +87,14 @@ def run_iteration(p: Params, n: int, policy: Path, run: RunLayout, data: Path, e
             shutil.rmtree(stale)
     # A vLLM stage runs in a process of its own, as under `dvc repro`: vLLM's in-process engine leaves the
     # process changed (its torch.distributed state), and DeepSpeed's learner cannot set up its groups after it.
-    run_rollout = partial(in_own_process, rollout) if p.rollout.engine == "vllm" else rollout
-    run_evaluate = partial(in_own_process, evaluate) if p.evaluate.engine == "vllm" else evaluate
-    out = run_rollout(p, n, policy, data / TRAIN_PROMPTS, it.rollout, show_progress=False)
-    compact(p.compaction, out["trajectories"], out["raw_masks"], it.masks)
-    learn(p, n, policy, out["trajectories"], it.masks, it.policy, it.learn)
+    rollout = partial(in_own_process, run_rollout) if p.rollout.engine == "vllm" else run_rollout
+    evaluate = partial(in_own_process, run_evaluate) if p.evaluate.engine == "vllm" else run_evaluate
+    out = rollout(p, n, policy, data / TRAIN_PROMPTS, it.rollout, show_progress=False)
+    run_compaction(p.compaction, out["trajectories"], out["raw_masks"], it.masks)
+    run_learner(p, n, policy, out["trajectories"], it.masks, it.policy, it.learn)
     if evaluated:
-        run_evaluate(p, n, it.policy, data / EVAL_PROMPTS, it.evaluate, show_progress=False)
-    progress(n, run.artifacts)
+        evaluate(p, n, it.policy, data / EVAL_PROMPTS, it.evaluate, show_progress=False)
+    run_progress(n, run.artifacts)
     drop_older_trainer_state(run, n)
 
 

@@ -58,7 +58,7 @@ def guarded(fn: Callable[[], T]) -> T:
               "nothing was replaced, the previous artifacts are unchanged", file=sys.stderr)
         raise typer.Exit(code=1) from None
     except SmdInputError as err:
-        # `reporter`: the rank that prints, 0 unless rank 0's process is the one lost (stages.distributed).
+        # `reporter`: the rank that prints, 0 unless rank 0's process is the one lost (stages.common.distributed).
         if not isinstance(err, SmdRankError) or os.environ.get("RANK", "0") == str(getattr(err, "reporter", 0)):
             print(f"error: {err}", file=sys.stderr)
         raise typer.Exit(code=err.exit_code) from None

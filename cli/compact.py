@@ -30,13 +30,13 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Merge, validate, deduplicate and compress the rollout's shadow masks for the learner."""
-        from stages.compaction import compact
+        from stages.compaction import run_compaction
 
         p = load(params, overrides)
         layout = iteration_layout(iteration)
         echo_written(
             guarded(
-                lambda: compact(
+                lambda: run_compaction(
                     p.compaction,
                     trajectories or layout.trajectories,
                     raw_masks or layout.raw_masks,

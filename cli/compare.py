@@ -79,7 +79,7 @@ def compare(spec_path: Path, out: Path, params_path: Path, overrides: list[str],
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
         results = list(pool.map(lambda job: run_arm(out, *job, starts[job[0]], *cmd_base), jobs))
     failed = [r for r in results if r["returncode"] != 0]
-    from stages.reporting.report import report
+    from stages.tools.report import report
 
     runs = [out / r["run"] for r in results if r["returncode"] == 0]
     written = report(runs, out_dir=out / "report") if runs else {}
@@ -103,7 +103,7 @@ def _eval_key(p: Params) -> str:
 
 def evaluate_starts(arm_params: dict[str, Params], warmstart: Path, data: Path, root: Path) -> dict[str, Path]:
     """Evaluate the warm start once per distinct evaluation setting; return arm -> its evaluate directory."""
-    from stages.evaluate.stage import evaluate
+    from stages.evaluate.stage import run_evaluate
 
     by_key: dict[str, Path] = {}
     out: dict[str, Path] = {}
@@ -113,7 +113,7 @@ def evaluate_starts(arm_params: dict[str, Params], warmstart: Path, data: Path, 
             target = root / key / "evaluate"
             if not (target / METRICS).is_file():
                 print(f"evaluating the warm start ({arm}'s compression) -> {target}", file=sys.stderr, flush=True)
-                evaluate(p, 0, warmstart, data / EVAL_PROMPTS, target, show_progress=False)
+                run_evaluate(p, 0, warmstart, data / EVAL_PROMPTS, target, show_progress=False)
             by_key[key] = target
         out[arm] = by_key[key]
     return out

@@ -25,11 +25,11 @@ def register(app: typer.Typer) -> None:
         progress: Annotated[bool, typer.Option(help="Show a progress bar and the summary table.")] = True,
     ) -> None:
         """Greedy-decode the eval split with the dense and with the rollout's compressed cache; score both."""
-        from stages.evaluate.stage import evaluate
+        from stages.evaluate.stage import run_evaluate
 
         p = load(params, overrides)
         default_policy = WARMSTART_POLICY if iteration == 0 else iteration_layout(iteration).policy
-        written = guarded(lambda: evaluate(
+        written = guarded(lambda: run_evaluate(
             p, iteration, policy or default_policy, prompts,
             out or iteration_layout(iteration).evaluate, show_progress=progress,
         ))

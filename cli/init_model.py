@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         built and the directory is left untouched; its name is recorded in artifacts/model/init/source.json.
         A directory smd did not create is never replaced.
         """
-        from stages.model import init_model as run_init_model
+        from stages.common.model import init_model as run_init_model
 
         p = load(params, overrides)
         echo_written(guarded(lambda: run_init_model(p.model, seed=p.seed, out=out)))

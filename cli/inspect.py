@@ -18,6 +18,6 @@ def register(app: typer.Typer) -> None:
         """Show an artifact's schema/kind, version, rows and key statistics (per layer/head retention for masks)."""
         from rich.console import Console
 
-        from stages.inspect import inspect_artifact, render
+        from stages.tools.inspect import inspect_artifact, render
 
         render(guarded(lambda: inspect_artifact(path)), Console())

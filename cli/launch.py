@@ -137,7 +137,7 @@ def register(app: typer.Typer) -> None:
         env = dict(os.environ)
         if argv[0] != smdctl and "DS_ACCELERATOR" not in env:
             # the launcher's accelerator follows model.device (CPU processes, gloo, without CUDA or with cpu)
-            from stages.model import resolve_device
+            from stages.common.model import resolve_device
 
             device = guarded(lambda: resolve_device(p.model.device, 0))
             env["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"

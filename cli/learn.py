@@ -36,11 +36,11 @@ def register(app: typer.Typer) -> None:
         `deepspeed --no_local_rank --num_gpus 2 $(which smdctl) learn -i 1` (on CPU add DS_ACCELERATOR=cpu:
         gloo backend).
         """
-        from stages.learner.train import learn, stderr_log
+        from stages.learner.train import run_learner, stderr_log
 
         p = load(params, overrides)
         layout = iteration_layout(iteration)
-        written = guarded(lambda: learn(
+        written = guarded(lambda: run_learner(
             p, iteration, policy or policy_for_iteration(iteration),
             trajectories or layout.trajectories,
             masks or layout.masks,

@@ -33,14 +33,14 @@ def register(app: typer.Typer) -> None:
         artifacts: Annotated[Path, typer.Option(help="Artifacts root.")] = Path("artifacts"),
     ) -> None:
         """Write artifacts/iter-NNN/progress.json: headline metrics of iterations 1..N (DVC plots)."""
-        from stages.reporting.progress import progress
+        from stages.progress.stage import run_progress
 
-        echo_written(guarded(lambda: progress(iteration, artifacts)))
+        echo_written(guarded(lambda: run_progress(iteration, artifacts)))
 
     @app.command("summary")
     def summary_cmd(artifacts: Annotated[Path, typer.Option(help="Artifacts root.")] = Path("artifacts")) -> None:
         """Print reward per iteration, dense vs compressed evaluation and mismatch metrics."""
-        from stages.reporting.progress import summary_table
+        from stages.progress.stage import summary_table
 
         rows = guarded(lambda: summary_table(artifacts))
         table = Table(title="smd: default experiment")

@@ -21,6 +21,6 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="Output directory of report.md and report.png.")] = Path("reports"),
     ) -> None:
         """Tabulate objective, policy, keep ratio, reward, dense/compressed eval score and mismatch per iteration."""
-        from stages.reporting.report import report
+        from stages.tools.report import report
 
         echo_written(guarded(lambda: report(runs, dvc_exp_json, out)))

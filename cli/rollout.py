@@ -23,10 +23,10 @@ def register(app: typer.Typer) -> None:
         progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     ) -> None:
         """Sample G responses per prompt with a compressed KV cache; write trajectories and raw masks."""
-        from stages.rollout.stage import rollout
+        from stages.rollout.stage import run_rollout
 
         p = load(params, overrides)
-        written = guarded(lambda: rollout(
+        written = guarded(lambda: run_rollout(
             p, iteration, policy or policy_for_iteration(iteration), prompts,
             out or iteration_layout(iteration).rollout, show_progress=progress,
         ))

@@ -26,7 +26,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 import schemas.tables
-import stages.model
+import stages.common.model
 from schemas.tables import read_table, write_table
 
 
@@ -122,13 +122,13 @@ def main() -> None:
             rows.append((label, "read", *paired_ms(r0, r1, args.repeats)))
 
     policy = it / "policy"
-    verify = stages.model.verify_weights_digest
-    stages.model.verify_weights_digest = lambda path: None
+    verify = stages.common.model.verify_weights_digest
+    stages.common.model.verify_weights_digest = lambda path: None
     try:
-        without = best_ms(lambda: stages.model.load_policy(policy), args.repeats)
+        without = best_ms(lambda: stages.common.model.load_policy(policy), args.repeats)
     finally:
-        stages.model.verify_weights_digest = verify
-    rows.append(("policy (weights)", "load", without, best_ms(lambda: stages.model.load_policy(policy), args.repeats)))
+        stages.common.model.verify_weights_digest = verify
+    rows.append(("policy (weights)", "load", without, best_ms(lambda: stages.common.model.load_policy(policy), args.repeats)))
     print(f"{'artifact':<20} {'op':<6} {'without ms':>11} {'with ms':>9} {'overhead':>9}")
     for name, op, without, with_ in rows:
         print(f"{name:<20} {op:<6} {without:>11.2f} {with_:>9.2f} {100 * (with_ - without) / without:>8.1f}%")

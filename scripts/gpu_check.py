@@ -13,7 +13,7 @@ still leaves the others' rows; `--parts` picks some):
                then the largest batch each fits in a fixed memory budget at one prompt length (per-sequence
                memory measured at batch 1 and 2, the extrapolated batch run once to confirm it fits).
   learner      the same shape, T = 4k and 16k: step time and step working memory of smd (flex), the dense
-               learner and physical KV slicing (`stages.learner.bench.measure_steps`).
+               learner and physical KV slicing (`stages.bench.learner.measure_steps`).
   e2e          the default experiment (params.yaml; init-model, prepare, warm start capped at
                `--warmstart-minutes` (1), then `smdctl chain` for 2 iterations) in a scratch directory, on the GPU.
 
@@ -148,7 +148,7 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
     import torch
 
     from schemas.params.rollout import EvictionParams
-    from stages.kvcache.engine import generate_batch
+    from stages.common.kvcache.sampler import generate_batch
 
     device = next(model.parameters()).device
     _sync(device)
@@ -223,11 +223,11 @@ def rollout_part(shape: str = "qwen3-1.7b", device: str = "cuda", dtype: str = "
                  engines: tuple[str, ...] = ENGINES) -> list[Row]:
     """Rows of the rollout part: per prompt length and engine tokens/s (and x generate) and peak memory; then the
     largest batch within `budget_gib` at `budget_length` (None: skipped, e.g. on the CPU)."""
-    from stages.learner.bench import build_bench_model
+    from stages.bench.learner import build_bench_model
 
     batches = batches or {4096: 8, 16384: 2, 32768: 1}
     model = build_bench_model(shape, max(lengths) + new_tokens, device, dtype).eval()
-    from stages.model import configure_precision
+    from stages.common.model import configure_precision
 
     configure_precision(device, next(model.parameters()).dtype)
     vocab = model.config.vocab_size
@@ -274,7 +274,7 @@ def learner_part(shape: str = "qwen3-1.7b", device: str = "cuda", dtype: str = "
                  lengths: tuple[int, ...] = (4096, 16384), modes: tuple[str, ...] = LEARNERS,
                  rounds: int = 2) -> list[Row]:
     """Rows of the learner part: per T and learner the step time and step working memory, both x dense."""
-    from stages.learner.bench import measure_steps
+    from stages.bench.learner import measure_steps
 
     rows = []
     for r in measure_steps(shape, lengths, modes, device=device, dtype=dtype, rounds=rounds):
@@ -400,12 +400,12 @@ def _ints(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    ap.add_argument("--shape", default="qwen3-1.7b", help="model shape of rollout and learner (stages/learner/bench.py)")
+    ap.add_argument("--shape", default="qwen3-1.7b", help="model shape of rollout and learner (stages/bench/learner.py)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rollout-lengths", default="4096,16384,32768")
     ap.add_argument("--learner-lengths", default="4096,16384")
-    ap.add_argument("--learner-modes", default=",".join(LEARNERS), help="learners (stages/learner/bench.py MODES)")
+    ap.add_argument("--learner-modes", default=",".join(LEARNERS), help="learners (stages/bench/learner.py MODES)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budget-gib", type=float, default=64.0, help="memory budget of the largest-batch search (0: skip)")
     ap.add_argument("--warmstart-minutes", type=float, default=1.0,

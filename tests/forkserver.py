@@ -29,12 +29,12 @@ def _preload() -> None:
     from deepspeed.comm.torch import build_shm_op
 
     import cli.main  # noqa: F401 - every command module
+    import stages.common.model  # noqa: F401
     import stages.compaction  # noqa: F401
     import stages.evaluate.stage  # noqa: F401
     import stages.learner.train  # noqa: F401
-    import stages.model  # noqa: F401
     import stages.prepare  # noqa: F401
-    import stages.reporting.progress  # noqa: F401
+    import stages.progress.stage  # noqa: F401
     import stages.rollout.stage  # noqa: F401
     import stages.warmstart  # noqa: F401
 

@@ -22,16 +22,16 @@ from schemas.params import iterations_yaml, load_params
 from schemas.params.compaction import CompactionParams
 from schemas.params.model import TinyModelParams
 from schemas.tables import read_table, table_config, write_table
-from stages.compaction import compact
-from stages.learner.shadow_attention import pad_evict_at
-from stages.model import load_policy
-from stages.rollout.stage import rollout
-from stages.synthetic_rollouts import (
+from stages.bench.synthetic_rollouts import (
     eviction_config,
     synthetic_evict_at,
     synthetic_rollout,
     write_synthetic_inputs,
 )
+from stages.common.model import load_policy
+from stages.compaction import run_compaction
+from stages.learner.shadow_attention import pad_evict_at
+from stages.rollout.stage import run_rollout
 
 SHAPES = {
     "gqa": TinyModelParams(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -42,7 +42,7 @@ SHAPES = {
 
 
 def make_model_dir(root: Path, shape: str = "gqa", seed: int = 0) -> Path:
-    from stages.model import init_tiny_model
+    from stages.common.model import init_tiny_model
 
     return init_tiny_model(SHAPES[shape], root / f"model-{shape}", seed=seed)
 
@@ -218,9 +218,9 @@ def set_rewards(path: Path, seed: int = 0) -> None:
 
 def make_iteration(root: Path, model_dir: Path, prompts: Path, params, name: str = "it1") -> tuple[Path, Path]:
     """Rollout (with varied rewards) + compaction: (trajectories.arrow, masks.zarr)."""
-    out = rollout(params, 1, model_dir, prompts, root / name / "rollout", show_progress=False)
+    out = run_rollout(params, 1, model_dir, prompts, root / name / "rollout", show_progress=False)
     set_rewards(out["trajectories"])
-    c = compact(CompactionParams(chunk_rows=2), out["trajectories"], out["raw_masks"], root / name / "compact" / "masks.zarr")
+    c = run_compaction(CompactionParams(chunk_rows=2), out["trajectories"], out["raw_masks"], root / name / "compact" / "masks.zarr")
     return out["trajectories"], c["masks"]
 
 

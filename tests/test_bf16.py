@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from schemas.params.learner import PARITY_TOL_BY_DTYPE, LearnerParams
-from stages.learner.engine import ds_config
-from stages.learner.train import learn
+from stages.learner.deepspeed_runtime import ds_config
+from stages.learner.train import run_learner
 from tests.helpers import make_iteration, make_model_dir, make_params, make_prompts, max_param_diff, params_of
 
 
@@ -37,7 +37,7 @@ def test_rollout_and_learn_in_bf16(tmp_path):
     model_dir = make_model_dir(tmp_path, "gqa")
     over = {"model.dtype": "bfloat16"}
     traj, masks = make_iteration(tmp_path, model_dir, make_prompts(tmp_path), make_params(**over))
-    out = learn(make_params(**over), 1, model_dir, traj, masks, tmp_path / "policy")
+    out = run_learner(make_params(**over), 1, model_dir, traj, masks, tmp_path / "policy")
     m = json.loads(out["details"].read_text())
     assert m["learner/parity_tol"] == 0.5
     gap = m["mismatch/logprob_abs_diff_max"]
@@ -60,10 +60,10 @@ def test_flex_cuda_forward_backward_equal_sdpa(dtype, tol):
     import numpy as np
     import torch.nn.functional as F
 
-    from schemas.masks import visibility
+    from schemas.raw_masks import visibility
+    from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
     from stages.learner.flex_backend import build_block_masks, flex_shadow_attention
     from stages.learner.shadow_attention import pad_evict_at
-    from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 
     rng = np.random.default_rng(0)
     ev_cfg = eviction_config("snapkv", 0.5, sinks=4, window=16)

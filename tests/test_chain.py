@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from schemas.params import load_params
 from schemas.tables import read_table
-from stages.rollout.stage import rollout
+from stages.rollout.stage import run_rollout
 from tests.helpers import empty_params, make_model_dir, write_prompt_splits
 
 SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.batch_size=4",
@@ -38,7 +38,7 @@ def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
     assert (art / "iter-002" / "policy" / "trainer_state").exists()
     # iteration 2 sampled with iteration 1's policy, exactly as the rollout stage does alone
     p = load_params(None, SETS)
-    again = rollout(p, 2, art / "iter-001" / "policy", data / "train.arrow", tmp_path / "again", show_progress=False)
+    again = run_rollout(p, 2, art / "iter-001" / "policy", data / "train.arrow", tmp_path / "again", show_progress=False)
     assert read_table(again["trajectories"], "trajectories").equals(
         read_table(art / "iter-002" / "rollout" / "trajectories.arrow", "trajectories"))
 

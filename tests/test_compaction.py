@@ -12,19 +12,19 @@ import typer
 import zarr
 from typer.testing import CliRunner
 
-from schemas.errors import SmdInputError
-from schemas.mask_store import (
+from schemas.compacted_masks import (
     open_mask_store,
     read_compact_rows,
     read_kept_final,
     read_mask_rows,
 )
-from schemas.masks import visibility, write_raw_masks
+from schemas.errors import SmdInputError
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
+from schemas.raw_masks import visibility, write_raw_masks
 from schemas.tables import read_table, trajectories_binding, write_table
-from stages.compaction import compact
-from stages.synthetic_rollouts import eviction_config
+from stages.bench.synthetic_rollouts import eviction_config
+from stages.compaction import run_compaction
 from tests.helpers import empty_params, make_inputs
 
 LENGTHS = [40, 97, 130, 64, 201]
@@ -41,7 +41,7 @@ def _inputs(tmp_path: Path, policy: str = "h2o", **kw):
 
 def _compact(tmp_path: Path, inp, chunk_rows: int = 2):
     out = tmp_path / "out" / "masks.zarr"
-    return compact(CompactionParams(chunk_rows=chunk_rows), inp["trajectories"], inp["raw"], out, tmp_path / "out" / "metrics.json")
+    return run_compaction(CompactionParams(chunk_rows=chunk_rows), inp["trajectories"], inp["raw"], out, tmp_path / "out" / "metrics.json")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -157,8 +157,8 @@ def test_shard_order_independent_bytes(tmp_path):
     inp = _inputs(tmp_path, "random", num_shards=3)
     raw2 = tmp_path / "in" / "masks.raw.reversed.zarr"
     write_raw_masks(raw2, list(reversed(inp["shards"])), L, H, inp["eviction"], _binding(inp))
-    a = compact(CompactionParams(), inp["trajectories"], inp["raw"], tmp_path / "a" / "masks.zarr")
-    b = compact(CompactionParams(), inp["trajectories"], raw2, tmp_path / "b" / "masks.zarr")
+    a = run_compaction(CompactionParams(), inp["trajectories"], inp["raw"], tmp_path / "a" / "masks.zarr")
+    b = run_compaction(CompactionParams(), inp["trajectories"], raw2, tmp_path / "b" / "masks.zarr")
     assert _tree(a["masks"]) == _tree(b["masks"])
 
 
@@ -173,7 +173,7 @@ def _tree(path) -> dict[str, bytes]:
 def _assert_rejected(tmp_path, inp, match: str, traj=None, raw=None) -> str:
     out = tmp_path / "out" / "masks.zarr"
     with pytest.raises(SmdInputError, match=match) as err:
-        compact(CompactionParams(), traj or inp["trajectories"], raw or inp["raw"], out, tmp_path / "out" / "metrics.json")
+        run_compaction(CompactionParams(), traj or inp["trajectories"], raw or inp["raw"], out, tmp_path / "out" / "metrics.json")
     msg = str(err.value)
     assert "\n" not in msg
     assert not out.exists() and not (tmp_path / "out" / "metrics.json").exists()

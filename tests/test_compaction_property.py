@@ -9,18 +9,18 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.mask_store import open_mask_store, read_mask_rows
-from schemas.masks import visible_counts, write_raw_masks
+from schemas.compacted_masks import open_mask_store, read_mask_rows
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
+from schemas.raw_masks import visible_counts, write_raw_masks
 from schemas.tables import read_table, trajectories_binding
-from stages.compaction import compact
-from stages.synthetic_rollouts import (
+from stages.bench.synthetic_rollouts import (
     budget_table,
     eviction_config,
     synthetic_rollout,
     write_synthetic_inputs,
 )
+from stages.compaction import run_compaction
 
 
 @st.composite
@@ -87,8 +87,8 @@ def test_lossless_and_shard_order_independent(case):
         traj, raw = write_synthetic_inputs(tmp, table, shards, ev, L, H)
         raw2 = write_raw_masks(tmp / "other.raw.zarr", reordered, L, H, ev,
                                trajectories_binding(read_table(traj, "trajectories")))
-        a = compact(cfg, traj, raw, tmp / "a" / "masks.zarr")["masks"]
-        b = compact(cfg, traj, raw2, tmp / "b" / "masks.zarr")["masks"]
+        a = run_compaction(cfg, traj, raw, tmp / "a" / "masks.zarr")["masks"]
+        b = run_compaction(cfg, traj, raw2, tmp / "b" / "masks.zarr")["masks"]
         assert _tree(a) == _tree(b)
 
         store = open_mask_store(a)

@@ -17,13 +17,13 @@ from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.params.compaction import CompactionParams
 from schemas.params.learner import LearnerParams
-from stages.compaction import compact
-from stages.distributed import init_distributed, worker_context
+from stages.common.distributed import init_distributed, worker_context
+from stages.common.model import configure_precision, load_policy, resolve_device
+from stages.compaction import run_compaction
 from stages.learner.data import build_micro_batch, load_learner_data
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.objectives import objective_kwargs, objective_loss
 from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
-from stages.model import configure_precision, load_policy, resolve_device
 from tests.helpers import SHAPES, make_inputs, make_model_dir
 
 
@@ -130,7 +130,7 @@ def learner_inputs(tmp_path_factory):
     shape = SHAPES["gqa"]
     ins = make_inputs(root / "rollout", "snapkv", LENGTHS, PROMPTS, num_layers=shape.num_hidden_layers,
                       num_kv_heads=shape.num_key_value_heads)
-    masks = compact(CompactionParams(chunk_rows=2), ins["trajectories"], ins["raw"], root / "masks.zarr")["masks"]
+    masks = run_compaction(CompactionParams(chunk_rows=2), ins["trajectories"], ins["raw"], root / "masks.zarr")["masks"]
     data = load_learner_data(LearnerParams(), ins["trajectories"], masks, shape.num_hidden_layers,
                              shape.num_key_value_heads, need_masks=True)
     data.advantages[:] = [1.0, -1.0, 0.5, -0.5]
@@ -177,7 +177,7 @@ def test_learner_forward_creates_no_tensor_without_a_device(learner_inputs, back
 
 def test_reference_nll_creates_no_tensor_without_a_device(learner_inputs, tmp_path):
     """The reference NLL (warm start and evaluate): its batch is built on the host and copied once."""
-    from stages.model import load_tokenizer, reference_nll_batch
+    from stages.common.model import load_tokenizer, reference_nll_batch
     from tests.helpers import make_model_dir
 
     model, _ = learner_inputs

@@ -1,5 +1,5 @@
 """Rollout and evaluate on 2 processes (gloo) give exactly the 1-process artifacts; a failing process fails the
-stage on every process with one error naming its rank, and nothing is written (stages.distributed)."""
+stage on every process with one error naming its rank, and nothing is written (stages.common.distributed)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import torch
 import torch.multiprocessing as mp
 
 from schemas.errors import SmdInputError, SmdRankError
-from schemas.masks import read_raw_masks
 from schemas.params.compaction import CompactionParams
+from schemas.raw_masks import read_raw_masks
 from schemas.tables import write_table
-from stages.compaction import compact
-from stages.evaluate.stage import evaluate
-from stages.learner.train import learn
-from stages.rollout.stage import rollout
+from stages.compaction import run_compaction
+from stages.evaluate.stage import run_evaluate
+from stages.learner.train import run_learner
+from stages.rollout.stage import run_rollout
 from tests.helpers import make_model_dir, make_params, random_prompts
 
 # 3 prompts x 3 responses = 9 jobs in 5 batches of 2: rank 0 samples batches 0, 2, 4 and rank 1 batches 1, 3;
@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, port: int, scenarios: list[tuple], report: Pa
                 raise RuntimeError("injected failure")
 
             rollout_stage.generate_batch = broken  # this process only: its sampling raises mid-stage
-        fn = {"rollout": rollout, "evaluate": evaluate}[stage]
+        fn = {"rollout": run_rollout, "evaluate": run_evaluate}[stage]
         try:
             fn(make_params(**OVER), 1, *args, show_progress=False)
             outcome = {"ok": True}
@@ -91,7 +91,7 @@ def two_processes(inputs):
 def test_rollout_two_processes_equal_one(inputs, two_processes):
     """~15 s more: byte-identical trajectory table and compacted masks, and the learner's parity gate passes."""
     root, model_dir, prompts = inputs
-    one = rollout(make_params(**OVER), 1, model_dir, prompts, root / "one", show_progress=False)
+    one = run_rollout(make_params(**OVER), 1, model_dir, prompts, root / "one", show_progress=False)
     assert outcomes(two_processes, "rollout") == [{"ok": True}, {"ok": True}]
     two = root / "two"
     assert (two / "trajectories.arrow").read_bytes() == one["trajectories"].read_bytes()
@@ -100,11 +100,11 @@ def test_rollout_two_processes_equal_one(inputs, two_processes):
     assert not (two / ".parts").exists()
     metrics = json.loads((two / "details.json").read_text())
     assert metrics["rollout/processes"] == 2 and metrics["rollout/trajectories"] == 9
-    packed = [compact(CompactionParams(chunk_rows=2), d / "trajectories.arrow", d / "masks.raw.zarr",
+    packed = [run_compaction(CompactionParams(chunk_rows=2), d / "trajectories.arrow", d / "masks.raw.zarr",
                       d.parent / f"{d.name}-compact" / "masks.zarr")["masks"] for d in (root / "one", two)]
     assert tree_bytes(packed[0]) == tree_bytes(packed[1])
     # the shadow masks written by two processes replay the sampler (learn refuses otherwise)
-    learn(make_params(**OVER, **{"learner.num_threads": 1}), 1, model_dir, two / "trajectories.arrow", packed[1],
+    run_learner(make_params(**OVER, **{"learner.num_threads": 1}), 1, model_dir, two / "trajectories.arrow", packed[1],
           root / "policy")
     parity = json.loads((root / "learn" / "details.json").read_text())
     assert parity["mismatch/logprob_abs_diff_max"] <= 1e-5
@@ -114,7 +114,7 @@ def test_rollout_two_processes_equal_one(inputs, two_processes):
 def test_evaluate_two_processes_equal_one(inputs, two_processes):
     """~5 s more: the same predictions table and figures (only wall times differ)."""
     root, model_dir, prompts = inputs
-    one = evaluate(make_params(**OVER), 1, model_dir, prompts, root / "eval-one", show_progress=False)
+    one = run_evaluate(make_params(**OVER), 1, model_dir, prompts, root / "eval-one", show_progress=False)
     assert outcomes(two_processes, "evaluate") == [{"ok": True}] * 2
     assert (root / "eval-two" / "predictions.arrow").read_bytes() == one["predictions"].read_bytes()
     a, b = (json.loads((d / "details.json").read_text()) for d in (root / "eval-one", root / "eval-two"))

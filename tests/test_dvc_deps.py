@@ -313,6 +313,33 @@ def test_deps_cover_the_code_the_command_runs(name):
     )
 
 
+def covered_files(deps: list[str]) -> set[str]:
+    """The code files (.py, empty `__init__.py` files aside) that a stage's code deps name, directories expanded."""
+    out = set()
+    for d in deps:
+        path = ROOT / d
+        for f in ([path] if path.is_file() else sorted(path.rglob("*.py"))):
+            if "__pycache__" not in f.parts and f.suffix == ".py" and not is_empty_init(f):
+                out.add(f.relative_to(ROOT).as_posix())
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_deps_name_only_the_code_the_command_runs(name):
+    """The other direction, file by file: a dep directory holds no module the command does not run, so that
+    editing a bench or a tool (stages/bench, stages/tools) reruns no stage."""
+    stage = STAGES[name]
+    files = {f for module, _ in command_functions(stage["cmd"]) for f in closure(module)}
+    extra = sorted(covered_files(code_deps(stage)) - files)
+    assert not extra, f"dvc.yaml stage {name!r}: deps hold modules its command never imports: {extra}"
+
+
+def test_no_stage_depends_on_a_bench_or_a_tool():
+    for name, stage in STAGES.items():
+        bad = [f for f in covered_files(code_deps(stage)) if f.startswith(("stages/bench/", "stages/tools/"))]
+        assert not bad, f"dvc.yaml stage {name!r} depends on {bad}: a bench or tool edit would rerun it"
+
+
 @pytest.mark.parametrize("name", sorted(STAGES))
 def test_params_cover_the_keys_the_command_reads(name):
     stage = STAGES[name]
@@ -332,7 +359,7 @@ def test_the_checks_see_what_the_issue_found():
     assert {"model.dtype", "model.init_path"} <= params_read("smdctl warmstart")
     assert "model.init_path" in params_read("smdctl prepare")
     rollout = closure("cli.rollout")
-    assert {"schemas/rewards.py", "schemas/masks.py", "stages/model.py"} <= rollout
-    assert any(f.startswith("stages/kvcache/") for f in closure("cli.evaluate"))
-    assert "schemas/masks.py" in closure("cli.learn")
+    assert {"schemas/rewards.py", "schemas/raw_masks.py", "stages/common/model.py"} <= rollout
+    assert any(f.startswith("stages/common/kvcache/") for f in closure("cli.evaluate"))
+    assert "schemas/raw_masks.py" in closure("cli.learn")
     assert {"pipeline.processes", "pipeline.hostfile", "rollout"} <= params_read("smdctl launch rollout -i 1")

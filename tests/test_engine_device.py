@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from schemas.masks import budget
 from schemas.params.rollout import POLICIES, EvictionParams
-from stages.kvcache.engine import generate_batch, stop_check_interval
-from stages.kvcache.schedule import budget_array, budget_schedule
-from stages.model import load_policy
+from schemas.raw_masks import budget
+from stages.common.kvcache.sampler import generate_batch, stop_check_interval
+from stages.common.kvcache.schedule import budget_array, budget_schedule
+from stages.common.model import load_policy
 from tests.helpers import make_model_dir, random_prompts
 
 PROMPTS = random_prompts([37, 50, 23, 50], seed=5)  # left-padded in a batch

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from schemas.masks import budget, visible_counts
 from schemas.params.rollout import POLICIES, EvictionParams
-from stages.kvcache.engine import generate_batch
+from schemas.raw_masks import budget, visible_counts
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import load_policy
 from stages.learner.objectives import token_logprobs
 from stages.learner.shadow_attention import response_logits
-from stages.model import load_policy
 from tests.helpers import make_model_dir, random_prompts, replay_batch
 
 TOL = 1e-5

@@ -15,7 +15,7 @@ from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.tables import PROMPTS_SCHEMA, SCHEMA_VERSION, read_table, write_table
 from stages.evaluate import stage as evaluate_stage
-from stages.evaluate.stage import evaluate
+from stages.evaluate.stage import run_evaluate
 from tests.helpers import empty_params, make_model_dir, random_prompts
 
 REFERENCES = ["7, 3", "12", "4, 4, 9", "0"]
@@ -42,7 +42,7 @@ def _params(**over):
 @pytest.fixture(scope="module")
 def snapkv_run(setup):
     root, model_dir, prompts = setup
-    return evaluate(_params(), 3, model_dir, prompts, root / "iter-003" / "evaluate", show_progress=False)
+    return run_evaluate(_params(), 3, model_dir, prompts, root / "iter-003" / "evaluate", show_progress=False)
 
 
 def test_evaluate_writes_predictions_and_metrics(setup, snapkv_run):
@@ -79,7 +79,7 @@ def test_evaluate_writes_predictions_and_metrics(setup, snapkv_run):
 
 def test_evaluate_is_deterministic(setup, snapkv_run):
     root, model_dir, prompts = setup
-    again = evaluate(_params(), 3, model_dir, prompts, root / "again", show_progress=False)
+    again = run_evaluate(_params(), 3, model_dir, prompts, root / "again", show_progress=False)
     assert again["predictions"].read_bytes() == snapkv_run["predictions"].read_bytes()
     a, b = (json.loads(p.read_text()) for p in (snapkv_run["details"], again["details"]))
     timing = {k for k in a if k.endswith(("/seconds", "/tokens_per_s"))}
@@ -88,7 +88,7 @@ def test_evaluate_is_deterministic(setup, snapkv_run):
 
 def test_dense_eviction_gives_identical_modes(setup):
     root, model_dir, prompts = setup
-    out = evaluate(_params(**{"rollout.eviction.policy": "dense", "evaluate.num_prompts": 3}), 1, model_dir, prompts,
+    out = run_evaluate(_params(**{"rollout.eviction.policy": "dense", "evaluate.num_prompts": 3}), 1, model_dir, prompts,
                    root / "dense", show_progress=False)
     df = pd.read_feather(out["predictions"])
     assert len(df) == 6
@@ -119,9 +119,9 @@ def test_bad_inputs_leave_nothing(setup, tmp_path):
     ]
     for (policy, table), message in cases:
         with pytest.raises(SmdInputError, match=message):
-            evaluate(_params(), 1, policy, table, out, show_progress=False)
+            run_evaluate(_params(), 1, policy, table, out, show_progress=False)
     with pytest.raises(SmdInputError, match="exceeds the model's 512 positions"):
-        evaluate(_params(**{"evaluate.max_new_tokens": 500}), 1, model_dir, prompts, out, show_progress=False)
+        run_evaluate(_params(**{"evaluate.max_new_tokens": 500}), 1, model_dir, prompts, out, show_progress=False)
     with pytest.raises(SmdInputError, match="evaluate.num_prompts"):
         _params(**{"evaluate.num_prompts": -1})
     assert not out.exists()
@@ -146,7 +146,7 @@ def test_cli_evaluate(setup, tmp_path):
 
 def test_summary_rows_warm_start_and_iterations(tmp_path):
     from cli.main import app
-    from stages.reporting.progress import progress, summary_table
+    from stages.progress.stage import run_progress, summary_table
 
     (tmp_path / "warmstart").mkdir()
     (tmp_path / "warmstart" / "metrics.json").write_text(json.dumps(
@@ -167,7 +167,7 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
                        "mismatch/logprob_abs_diff_max": 1e-6, "mismatch/kl": 0.0, "eval/dense/score": 0.8,
                        "eval/compressed/score": 0.7, "eval/dense/exact_match": 0.6,
                        "eval/compressed/exact_match": 0.4}
-    assert json.loads(progress(1, tmp_path).read_text())["rows"] == [rows[1]]
+    assert json.loads(run_progress(1, tmp_path).read_text())["rows"] == [rows[1]]
     out = CliRunner().invoke(app, ["summary", "--artifacts", str(tmp_path)])
     assert out.exit_code == 0
     warm_line = next(line for line in out.output.splitlines() if "warm start" in line)

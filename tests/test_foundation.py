@@ -14,7 +14,7 @@ from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.params import check_iterations_file, iterations_yaml, load_params
 from schemas.tables import SCHEMA_VERSION, read_table, write_table
-from stages.model import load_policy
+from stages.common.model import load_policy
 
 PROMPT_ROW = {"prompt_id": "p0", "task": "kv_retrieval", "prompt": "key cat = 1 2", "prompt_token_ids": [1, 2],
               "reference": "1 2"}

@@ -33,7 +33,7 @@ def _cuda_params(**over):
 
 
 def test_device_rule_on_cuda(tmp_path):
-    from stages.model import load_policy, resolve_device
+    from stages.common.model import load_policy, resolve_device
     from tests.helpers import make_model_dir
 
     assert resolve_device("auto", 0) == torch.device("cuda", 0)
@@ -55,14 +55,14 @@ def gpu_root(tmp_path_factory):
 def test_rollout_compact_learn_parity_on_cuda(gpu_root, tmp_path, policy, dtype):
     """The stages as `dvc repro` runs them, with model.device cuda: rollout on the GPU, compaction, then learn
     (DeepSpeed, one GPU, flex): the parity pass before the first step is the invariant."""
-    from stages.learner.train import learn
+    from stages.learner.train import run_learner
     from tests.helpers import make_iteration
 
     root, model_dir, prompts = gpu_root
     over = {"rollout.eviction.policy": policy, "rollout.prompts_per_iteration": 4, "rollout.max_new_tokens": 12,
             "model.dtype": dtype}
     traj, masks = make_iteration(tmp_path, model_dir, prompts, _cuda_params(**over))
-    out = learn(_cuda_params(**over), 1, model_dir, traj, masks, tmp_path / "policy")
+    out = run_learner(_cuda_params(**over), 1, model_dir, traj, masks, tmp_path / "policy")
     m = json.loads(out["details"].read_text())
     gap = m["mismatch/logprob_abs_diff_max"]
     assert m["attention_backend"] == "flex" and m["learner/peak_device_mb"] > 0
@@ -76,13 +76,13 @@ def test_rollout_compact_learn_parity_on_cuda(gpu_root, tmp_path, policy, dtype)
 
 
 def test_learner_under_deepspeed_on_one_gpu_trains(gpu_root, tmp_path):
-    from stages.learner.train import learn
+    from stages.learner.train import run_learner
     from tests.helpers import make_iteration, max_param_diff, params_of
 
     root, model_dir, prompts = gpu_root
     params = _cuda_params()
     traj, masks = make_iteration(tmp_path, model_dir, prompts, params)
-    out = learn(params, 1, model_dir, traj, masks, tmp_path / "policy")
+    out = run_learner(params, 1, model_dir, traj, masks, tmp_path / "policy")
     m = json.loads(out["details"].read_text())
     assert m["learner/world_size"] == 1 and m["learner/steps"] == 1 and m["learner/peak_device_mb"] > 0
     assert m["mismatch/logprob_abs_diff_max"] <= TOL
@@ -92,9 +92,9 @@ def test_learner_under_deepspeed_on_one_gpu_trains(gpu_root, tmp_path):
 
 def _model_batch(tmp_path, dtype: torch.dtype):
     """Tiny GQA model on the GPU and a 3-row right-padded batch with synthetic H2O masks."""
+    from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
+    from stages.common.model import load_policy
     from stages.learner.shadow_attention import pad_evict_at
-    from stages.model import load_policy
-    from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
     from tests.helpers import make_model_dir
 
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]

@@ -12,16 +12,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from schemas.compacted_masks import open_mask_store, read_mask_rows
 from schemas.errors import SmdInputError
-from schemas.mask_store import open_mask_store, read_mask_rows
-from schemas.masks import read_raw_masks
 from schemas.params.compaction import CompactionParams
 from schemas.params.learner import LearnerParams
+from schemas.raw_masks import read_raw_masks
 from schemas.tables import data_digest, read_table, trajectories_binding, write_table
 from schemas.weights import DIGEST_FILE, verify_weights_digest
-from stages.compaction import compact
+from stages.common.model import load_policy
+from stages.compaction import run_compaction
 from stages.learner.data import load_learner_data
-from stages.model import load_policy
 from tests.helpers import make_inputs, make_model_dir
 
 LENGTHS, PROMPTS, L, H = [40, 57, 33, 64], [10, 30, 20, 24], 2, 2
@@ -36,7 +36,7 @@ def _flip(path: Path, offset: int) -> None:
 def _rollout(root: Path, seed: int = 0) -> dict:
     inp = make_inputs(root, "snapkv", LENGTHS, PROMPTS, num_layers=L, num_kv_heads=H, num_shards=2, seed=seed,
                       permute=False)
-    inp["masks"] = compact(CompactionParams(chunk_rows=2), inp["trajectories"], inp["raw"],
+    inp["masks"] = run_compaction(CompactionParams(chunk_rows=2), inp["trajectories"], inp["raw"],
                            root / "compact" / "masks.zarr")["masks"]
     return inp
 

@@ -1,9 +1,11 @@
-"""Package layout (docs/design.md, Layout): a stage package imports only shared packages and `schemas/`.
+"""Package layout (docs/design.md, Layout): rooms and layers.
 
-Stage packages are the pipeline's stages (`stages/<stage>/`); every other module or package under `stages/`
-is shared (model loading, the evicting KV cache, synthetic rollouts, inspection, reporting) and imports no
-stage package; `schemas/` imports nothing from `stages/`. Imports are read with `ast`, including imports
-inside functions, so a lazy import counts like a top-level one.
+Rooms: `schemas/` (the contracts), `stages/common/` (what several stages use), one package per DVC stage
+(`stages/<stage>/`), `stages/bench/` (benchmarks and their synthetic data), `stages/tools/` (inspect, report,
+chain, compare) and `cli/`. Layers run schemas <- common <- stages <- bench/tools <- cli: a module imports only
+its own room and the rooms below it, and a stage never imports another stage. Every package under `stages/` is
+one of these rooms. Imports are read with `ast`, including imports inside functions, so a lazy import counts
+like a top-level one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ROOT / "stages"
-STAGE_PACKAGES = ("prepare", "warmstart", "rollout", "compaction", "learner", "evaluate")
+STAGE_PACKAGES = ("prepare", "warmstart", "rollout", "compaction", "learner", "evaluate", "progress")
+# room -> its layer; a module may import rooms of a lower layer, and its own room
+LAYER = {"schemas": 0, "common": 1, **{s: 2 for s in STAGE_PACKAGES}, "bench": 3, "tools": 3, "cli": 4}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -32,21 +36,55 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def stage_of(module: str) -> str | None:
-    """The stage package a dotted module name belongs to (None for shared modules and non-project modules)."""
+def room_of(module: str) -> str | None:
+    """The room a dotted module name belongs to (None for non-project modules and the bare `stages` package)."""
     parts = module.split(".")
-    if len(parts) >= 2 and parts[0] == "stages" and parts[1] in STAGE_PACKAGES:
+    if parts[0] in ("schemas", "cli"):
+        return parts[0]
+    if parts[0] == "stages" and len(parts) >= 2:
         return parts[1]
     return None
+
+
+def stage_of(module: str) -> str | None:
+    """The stage package a dotted module name belongs to (None for every other room)."""
+    room = room_of(module)
+    return room if room in STAGE_PACKAGES else None
 
 
 def _modules(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+def _dotted(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
 def test_stage_packages_exist():
     for stage in STAGE_PACKAGES:
         assert (STAGES / stage / "__init__.py").exists(), f"stages/{stage}: listed as a stage package but missing"
+
+
+def test_every_module_under_stages_is_in_a_room():
+    loose = [p.relative_to(ROOT).as_posix() for p in _modules(STAGES)
+             if p.parent != STAGES and room_of(_dotted(p)) not in LAYER]
+    loose += [p.relative_to(ROOT).as_posix() for p in STAGES.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, "modules outside the rooms (stages/common, a stage package, stages/bench, stages/tools):\n" + "\n".join(loose)
+
+
+@pytest.mark.parametrize("room", sorted(LAYER))
+def test_layers_import_downward_only(room):
+    base = ROOT / room if room in ("schemas", "cli") else STAGES / room
+    bad = []
+    for path in _modules(base):
+        for name in sorted(imported_modules(path)):
+            other = room_of(name)
+            if other is None or other == room:
+                continue
+            if other not in LAYER or LAYER[other] >= LAYER[room]:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, (f"{room} (layer {LAYER[room]}) imports its own or a lower layer only "
+                     "(schemas <- common <- stages <- bench/tools <- cli):\n" + "\n".join(bad))
 
 
 @pytest.mark.parametrize("stage", STAGE_PACKAGES)
@@ -57,29 +95,15 @@ def test_stage_imports_no_other_stage(stage):
         for name in sorted(imported_modules(path))
         if stage_of(name) not in (None, stage)
     ]
-    assert not bad, "a stage imports another stage's internals; move what both need to a shared package:\n" + "\n".join(bad)
+    assert not bad, "a stage imports another stage's internals; move what both need to stages/common:\n" + "\n".join(bad)
 
 
-def test_shared_modules_import_no_stage():
-    shared = [p for p in _modules(STAGES) if p.relative_to(STAGES).parts[0] not in STAGE_PACKAGES]
-    assert any(p.name == "model.py" for p in shared)
-    bad = [
-        f"{path.relative_to(ROOT)} imports {name}"
-        for path in shared
-        for name in sorted(imported_modules(path))
-        if stage_of(name) is not None
-    ]
-    assert not bad, "a shared module imports a stage package:\n" + "\n".join(bad)
-
-
-def test_schemas_import_no_stages():
-    bad = [
-        f"{path.relative_to(ROOT)} imports {name}"
-        for path in _modules(ROOT / "schemas")
-        for name in sorted(imported_modules(path))
-        if name == "stages" or name.startswith("stages.")
-    ]
-    assert not bad, "schemas/ is the contract layer and imports nothing from stages/:\n" + "\n".join(bad)
+def test_the_layer_check_fails_on_an_upward_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from stages.bench.rollout import bench_rollout\nfrom stages.common.model import load_policy\n")
+    rooms = {room_of(n) for n in imported_modules(src)} - {None}
+    assert rooms == {"bench", "common"}
+    assert [r for r in rooms if LAYER[r] >= LAYER["rollout"]] == ["bench"]
 
 
 def test_the_checker_sees_lazy_imports(tmp_path):

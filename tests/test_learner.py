@@ -13,13 +13,13 @@ import pyarrow.feather as feather
 import pytest
 from typer.testing import CliRunner
 
+from schemas.compacted_masks import open_mask_store, write_mask_store
 from schemas.errors import SmdInputError
-from schemas.mask_store import open_mask_store, write_mask_store
 from schemas.params.rollout import POLICIES
 from schemas.tables import TRAJECTORIES_SCHEMA, read_table, trajectories_binding
+from stages.common.model import load_policy
 from stages.learner.data import load_learner_data
-from stages.learner.train import HEADLINE, learn, score_rows
-from stages.model import load_policy
+from stages.learner.train import HEADLINE, run_learner, score_rows
 from tests.helpers import (
     TOL,
     empty_params,
@@ -80,7 +80,7 @@ def test_learner_parity_every_policy(tmp_path, setup, policy):
 def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
     root, model_dir, _, traj, masks = setup
     before = params_of(model_dir)
-    out = learn(make_params(), 1, model_dir, traj, masks, tmp_path / "iter-001" / "policy")
+    out = run_learner(make_params(), 1, model_dir, traj, masks, tmp_path / "iter-001" / "policy")
     assert out["metrics"] == tmp_path / "iter-001" / "learn" / "metrics.json"
     policy = load_policy(out["policy"])  # Hugging Face format
     assert (out["policy"] / "tokenizer.json").exists()
@@ -112,7 +112,7 @@ def test_learn_smd_writes_policy_state_and_metrics(tmp_path, setup):
 @pytest.mark.parametrize("objective", ["shadow", "naive", "naive_bypass", "tis", "sparse_rl"])
 def test_other_objectives_run(tmp_path, setup, objective):
     root, model_dir, _, traj, masks = setup
-    out = learn(make_params(**{"learner.objective": objective}), 1, model_dir, traj, masks, tmp_path / "policy")
+    out = run_learner(make_params(**{"learner.objective": objective}), 1, model_dir, traj, masks, tmp_path / "policy")
     m = json.loads(out["details"].read_text())
     assert m["objective"] == objective and m["learner/steps"] == 1
     if objective == "shadow":
@@ -130,13 +130,13 @@ def test_naive_ratio_is_exactly_one_before_the_first_update(tmp_path, setup):
     on every token although the dense learner is far from the sparse rollout; naive_bypass's is not."""
     root, model_dir, _, traj, masks = setup
     over = {"learner.epochs": 2}
-    out = learn(make_params(**over, **{"learner.objective": "naive"}), 1, model_dir, traj, masks, tmp_path / "n" / "policy")
+    out = run_learner(make_params(**over, **{"learner.objective": "naive"}), 1, model_dir, traj, masks, tmp_path / "n" / "policy")
     steps = json.loads(out["steps"].read_text())
     first = steps[0]
     assert first["mismatch/logprob_abs_diff_max"] > 1e-3  # the mismatch is there, and ignored
     assert first["pg/ratio_min"] == first["pg/ratio_max"] == 1.0 and first["pg/clipfrac"] == 0.0
     assert steps[1]["pg/ratio_max"] != 1.0  # the second epoch's ratio is against the same old log-probs
-    out = learn(make_params(**over, **{"learner.objective": "naive_bypass"}), 1, model_dir, traj, masks,
+    out = run_learner(make_params(**over, **{"learner.objective": "naive_bypass"}), 1, model_dir, traj, masks,
                 tmp_path / "b" / "policy")
     first = json.loads(out["steps"].read_text())[0]
     assert first["pg/ratio_max"] > 1.0 + 1e-3 or first["pg/ratio_min"] < 1.0 - 1e-3
@@ -150,7 +150,7 @@ def test_sparse_rl_normalises_over_the_mini_batch_across_micro_batches(tmp_path,
             # a window the tiny model's mismatch lands across, so that some tokens and weights differ from 1
             "learner.sparse_rl_token_ratio_low": 0.99, "learner.sparse_rl_token_ratio_high": 1.01,
             "learner.sparse_rl_is_cap": 1.003}
-    outs = [learn(make_params(**over, **{"learner.micro_batch_size": mbs}), 1, model_dir, traj, masks,
+    outs = [run_learner(make_params(**over, **{"learner.micro_batch_size": mbs}), 1, model_dir, traj, masks,
                   tmp_path / f"mbs{mbs}" / "policy") for mbs in (1, 6)]
     m = json.loads(outs[0]["details"].read_text())
     assert 0 < m["rejection/token_fraction"] < 1
@@ -164,13 +164,13 @@ def test_resume_equals_uninterrupted(tmp_path, setup):
     """Two steps in one run == one step, save, resume the optimizer state, one more step (same batch)."""
     root, model_dir, _, traj, masks = setup
     common = {"learner.objective": "dense", "learner.updates_per_epoch": 1}
-    a = learn(make_params(**common, **{"learner.epochs": 2}), 1, model_dir, traj, masks, tmp_path / "a" / "policy")
-    b1 = learn(make_params(**common), 1, model_dir, traj, masks, tmp_path / "b1" / "policy")
-    b2 = learn(make_params(**common), 2, b1["policy"], traj, masks, tmp_path / "b2" / "policy")
+    a = run_learner(make_params(**common, **{"learner.epochs": 2}), 1, model_dir, traj, masks, tmp_path / "a" / "policy")
+    b1 = run_learner(make_params(**common), 1, model_dir, traj, masks, tmp_path / "b1" / "policy")
+    b2 = run_learner(make_params(**common), 2, b1["policy"], traj, masks, tmp_path / "b2" / "policy")
     m = json.loads(b2["details"].read_text())
     assert m["learner/resumed_optimizer"] and m["learner/global_step"] == 2
     assert max_param_diff(params_of(a["policy"]), params_of(b2["policy"])) <= 1e-6
-    fresh = learn(make_params(**common, **{"learner.resume_optimizer": False}), 2, b1["policy"], traj, masks,
+    fresh = run_learner(make_params(**common, **{"learner.resume_optimizer": False}), 2, b1["policy"], traj, masks,
                   tmp_path / "fresh" / "policy")
     assert max_param_diff(params_of(a["policy"]), params_of(fresh["policy"])) > 1e-5  # the state mattered
 
@@ -180,7 +180,7 @@ def test_micro_batching_does_not_change_the_update(tmp_path, setup):
     step lr * g / (|g| + eps) amplifies the float noise of gradients near eps by lr / eps: adam_eps 1e-6.)"""
     root, model_dir, _, traj, masks = setup
     over = {"learner.grad_clip": 0, "learner.lr": 1e-4, "learner.adam_eps": 1e-6}
-    outs = [learn(make_params(**over, **{"learner.micro_batch_size": mbs}), 1, model_dir, traj, masks,
+    outs = [run_learner(make_params(**over, **{"learner.micro_batch_size": mbs}), 1, model_dir, traj, masks,
                   tmp_path / f"mbs{mbs}" / "policy") for mbs in (1, 6)]
     before, a, b = params_of(model_dir), params_of(outs[0]["policy"]), params_of(outs[1]["policy"])
     assert max_param_diff(before, a) > 5e-5
@@ -223,7 +223,7 @@ def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
     bad = corrupt_store(masks, tmp_path / "bad.zarr")
     out = tmp_path / "iter-001" / "policy"
     with pytest.raises(SmdInputError, match=r"parity gate: mismatch/logprob_abs_diff_max=.* > tol 0.0001"):
-        learn(make_params(), 1, model_dir, traj, bad, out)
+        run_learner(make_params(), 1, model_dir, traj, bad, out)
     assert_nothing_written(tmp_path, model_dir, digest)
 
     from cli.main import app
@@ -236,7 +236,7 @@ def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
     assert len(errors) == 1 and errors[0].endswith("refusing to train off-policy")
     assert_nothing_written(tmp_path, model_dir, digest)
     # The dense baselines have no gate: they log the mismatch instead.
-    m = learn(make_params(**{"learner.objective": "naive"}), 1, model_dir, traj, bad, tmp_path / "d" / "policy")
+    m = run_learner(make_params(**{"learner.objective": "naive"}), 1, model_dir, traj, bad, tmp_path / "d" / "policy")
     assert json.loads(m["details"].read_text())["mismatch/logprob_abs_diff_max"] > 1e-3
 
 
@@ -256,7 +256,7 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
 
     def fails(match, params=p, policy=model_dir, trajectories=traj, mask_store=masks):
         with pytest.raises(SmdInputError, match=match) as err:
-            learn(params, 1, policy, trajectories, mask_store, out)
+            run_learner(params, 1, policy, trajectories, mask_store, out)
         assert "\n" not in str(err.value)
         assert_nothing_written(tmp_path, model_dir, digest)
 
@@ -280,7 +280,7 @@ def test_bad_inputs_one_line_nothing_written(tmp_path, setup):
     inf_lp[2]["rollout_logprobs"] = [float("-inf")] + inf_lp[2]["rollout_logprobs"][1:]
     fails("rollout_logprobs: row 2 has a non-finite value", trajectories=_write_raw_table(inf_lp, tmp_path / "inf.arrow"))
     fails("empty trajectories table", trajectories=_write_raw_table([], tmp_path / "empty.arrow"))
-    # unknown objective, lambda < 0: refused when params are read, and by learn() itself
+    # unknown objective, lambda < 0: refused when params are read, and by run_learner() itself
     with pytest.raises(SmdInputError, match="learner.objective: Input should be 'smd', 'shadow'"):
         make_params(**{"learner.objective": "ppo"})
     with pytest.raises(SmdInputError, match="learner.kl_lambda"):
@@ -307,7 +307,7 @@ def test_flex_and_tiled_backends_learn_like_sdpa(tmp_path, setup):
     as the SDPA reference."""
     root, model_dir, _, traj, masks = setup
     over = {"learner.lr": 1e-4, "learner.adam_eps": 1e-6, "learner.flex_block_size": 16}
-    outs = {b: learn(make_params(**over, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
+    outs = {b: run_learner(make_params(**over, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
                      tmp_path / b / "policy") for b in ("sdpa", "flex", "tiled")}
     for backend in ("flex", "tiled"):
         m = json.loads(outs[backend]["details"].read_text())
@@ -321,7 +321,7 @@ def test_several_updates_and_reference_kl(tmp_path, setup):
     root, model_dir, _, traj, masks = setup
     params = make_params(**{"learner.updates_per_epoch": 2, "learner.epochs": 2, "learner.ref_kl_coef": 0.1,
                             "learner.reference_path": str(model_dir)})
-    out = learn(params, 1, model_dir, traj, masks, tmp_path / "policy")
+    out = run_learner(params, 1, model_dir, traj, masks, tmp_path / "policy")
     steps = json.loads(out["steps"].read_text())
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and [s["epoch"] for s in steps] == [0, 0, 1, 1]
     assert steps[0]["loss/kl_ref"] == pytest.approx(0.0, abs=1e-9) and steps[-1]["loss/kl_ref"] > 0

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
+from stages.common.model import load_policy
 from stages.learner.flex_backend import build_block_masks
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.objectives import group_advantages, objective_loss
@@ -20,9 +22,7 @@ from stages.learner.shadow_attention import (
     response_hidden,
     response_hidden_with_teacher,
 )
-from stages.learner.train import learn
-from stages.model import load_policy
-from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
+from stages.learner.train import run_learner
 from tests.helpers import (
     TOL,
     make_iteration,
@@ -100,7 +100,7 @@ def test_learn_with_gradient_checkpointing_makes_the_same_update(tmp_path):
     # amplifies that by lr / eps where |g| ~ eps, so lr 1e-4 and adam_eps 1e-6 as in the other equal-update tests
     # (with lr 1e-3, eps 1e-8 the update differed by 1.2e-6 under ATEN_CPU_CAPABILITY=avx2 on an AMD EPYC)
     over = {"learner.lr": 1e-4, "learner.adam_eps": 1e-6}
-    outs = {flag: learn(make_params(**over, **{"learner.gradient_checkpointing": flag}), 1, model_dir, traj, masks,
+    outs = {flag: run_learner(make_params(**over, **{"learner.gradient_checkpointing": flag}), 1, model_dir, traj, masks,
                         tmp_path / str(flag) / "policy") for flag in (False, True)}
     m = json.loads(outs[True]["details"].read_text())
     assert m["config"]["learner"]["gradient_checkpointing"] is True and m["loss/kl_dense"] > 0

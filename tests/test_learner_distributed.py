@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from stages.learner.train import learn
+from stages.learner.train import run_learner
 from tests.helpers import make_iteration, make_model_dir, make_params, make_prompts, max_param_diff, params_of
 
 # 3 prompts x 3 responses = 9 rows: ranks get 5 and 4 rows, i.e. 3 and 2 (+1 zero-weight filler) micro-batches.
@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     zero_stage, model_dir, traj, masks, out = args
-    learn(make_params(**OVER, **{"learner.zero_stage": zero_stage}), 1, model_dir, traj, masks, out)
+    run_learner(make_params(**OVER, **{"learner.zero_stage": zero_stage}), 1, model_dir, traj, masks, out)
     torch.distributed.destroy_process_group()
 
 
@@ -60,7 +60,7 @@ def _resume_worker(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     for policy, traj, masks, out in jobs:  # in one pair of processes: a process start costs more than a step
         # The second step trains the first step's policy on the same batch (off-policy by one step): gate open.
-        learn(make_params(**OVER, **{"learner.parity_tol": 1.0}), 1, policy, traj, masks, out)
+        run_learner(make_params(**OVER, **{"learner.parity_tol": 1.0}), 1, policy, traj, masks, out)
     torch.distributed.destroy_process_group()
 
 
@@ -100,7 +100,7 @@ def _failing_write_worker(rank: int, world: int, port: int, args: tuple) -> None
     if rank == 0:
         train.write_weights_digest = disk_full
     try:
-        learn(make_params(**OVER), 1, model_dir, traj, masks, out)
+        run_learner(make_params(**OVER), 1, model_dir, traj, masks, out)
         Path(report, f"rank{rank}").write_text("no error")
     except SmdRankError as exc:
         Path(report, f"rank{rank}").write_text(str(exc))
@@ -109,7 +109,7 @@ def _failing_write_worker(rank: int, world: int, port: int, args: tuple) -> None
 
 @pytest.mark.slow
 def test_a_rank_failing_mid_write_fails_every_rank_and_writes_nothing(tmp_path: Path):
-    """The policy is written collectively (stages.distributed.write_collectively): rank 0 failing inside its part
+    """The policy is written collectively (stages.common.distributed.write_collectively): rank 0 failing inside its part
     of the write makes every rank raise one line naming it, within a bounded time (no rank left in a barrier),
     and no policy directory or temporary is left behind."""
     model_dir = make_model_dir(tmp_path, "gqa")

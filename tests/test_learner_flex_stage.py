@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from schemas.masks import visibility
+from schemas.raw_masks import visibility
+from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
 from stages.learner.flex_backend import (
     DEFAULT_BLOCK_SIZE,
     _patch_cpu_flex_symbol_names,
@@ -20,8 +21,7 @@ from stages.learner.flex_backend import (
     flex_shadow_attention,
 )
 from stages.learner.shadow_attention import pad_evict_at
-from stages.learner.train import learn
-from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
+from stages.learner.train import run_learner
 from tests.helpers import (
     TOL,
     make_iteration,
@@ -74,7 +74,7 @@ def test_flex_learn_stage_short_and_long_sequences(tmp_path):
             "learner.lr": 1e-4, "learner.adam_eps": 1e-6}
     traj, masks = make_iteration(tmp_path, model_dir, prompts, make_params(**base))
     assert DEFAULT_BLOCK_SIZE == 128 and make_params().learner.flex_block_size == DEFAULT_BLOCK_SIZE
-    outs = {b: learn(make_params(**base, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
+    outs = {b: run_learner(make_params(**base, **{"learner.attention_backend": b}), 1, model_dir, traj, masks,
                      tmp_path / b / "policy") for b in ("sdpa", "flex")}
     m = json.loads(outs["flex"]["details"].read_text())
     assert m["attention_backend"] == "flex" and m["trajectories"] == 16

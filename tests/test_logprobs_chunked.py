@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from schemas.errors import SmdInputError
+from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
+from stages.common.model import load_policy
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.objectives import (
     dense_teacher_kl_per_token,
@@ -25,8 +27,6 @@ from stages.learner.shadow_attention import (
     response_logits,
     response_logits_with_teacher,
 )
-from stages.model import load_policy
-from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 from tests.helpers import float32_bound, make_model_dir
 
 

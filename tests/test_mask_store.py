@@ -1,4 +1,4 @@
-"""The compacted mask store reader (schemas.mask_store): the learner's entry points and their errors."""
+"""The compacted mask store reader (schemas.compacted_masks): the learner's entry points and their errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import zarr
 
-from schemas.errors import SmdInputError
-from schemas.mask_store import (
+from schemas.compacted_masks import (
     mask_row_frame,
     narrowest_dtype,
     open_mask_store,
@@ -16,15 +15,16 @@ from schemas.mask_store import (
     retention_frame,
     write_mask_store,
 )
+from schemas.errors import SmdInputError
 from schemas.params.compaction import CompactionParams
-from stages.compaction import compact
+from stages.compaction import run_compaction
 from tests.helpers import make_inputs
 
 
 @pytest.fixture()
 def store(tmp_path):
     inp = make_inputs(tmp_path / "in", "h2o", [30, 50, 41], [10, 20, 41], num_layers=2, num_kv_heads=2, num_shards=2)
-    out = compact(CompactionParams(chunk_rows=1), inp["trajectories"], inp["raw"], tmp_path / "masks.zarr")
+    out = run_compaction(CompactionParams(chunk_rows=1), inp["trajectories"], inp["raw"], tmp_path / "masks.zarr")
     return out["masks"], inp
 
 
@@ -95,7 +95,7 @@ def test_reopened_after_atomic_replacement(store, tmp_path):
     path, inp = store
     first = read_mask_rows(path, [0])[0]
     other = make_inputs(tmp_path / "in2", "dense", [12, 13, 14], [4, 4, 4], num_layers=2, num_kv_heads=2)
-    compact(CompactionParams(), other["trajectories"], other["raw"], path)
+    run_compaction(CompactionParams(), other["trajectories"], other["raw"], path)
     again = read_mask_rows(path, [0])[0]
     assert not np.array_equal(first, again)
     np.testing.assert_array_equal(again, other["expected"][0])

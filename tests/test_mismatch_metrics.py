@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from schemas.errors import SmdInputError
-from stages.learner.metrics import check_finite, mismatch_metrics
+from stages.learner.mismatch import check_finite, mismatch_metrics
 
 LN = math.log
 T = torch.tensor

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from schemas.params import load_params
 from schemas.params.prepare import SYNTHETIC_TASKS
-from stages.model import build_tiny_model, build_tiny_tokenizer, load_policy, load_tokenizer
+from stages.common.model import build_tiny_model, build_tiny_tokenizer, load_policy, load_tokenizer
 from stages.prepare.synthetic import generate
 from tests.helpers import SHAPES, make_model_dir
 
@@ -52,7 +52,7 @@ def test_reference_nll_matches_one_sequence_at_a_time(tmp_path):
     """Batched, right-padded reference NLL == the same sum computed one unpadded sequence at a time."""
     import torch
 
-    from stages.model import load_policy, load_tokenizer, reference_nll, response_ids
+    from stages.common.model import load_policy, load_tokenizer, reference_nll, response_ids
     from tests.helpers import make_model_dir, random_prompts
 
     model_dir = make_model_dir(tmp_path, "gqa")

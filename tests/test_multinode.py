@@ -30,7 +30,7 @@ import pytest
 from cli.launch import SSH_CHECK_TIMEOUT_S, check_nodes, hostfile_nodes
 from schemas.errors import SmdInputError
 from schemas.params import load_params
-from stages.distributed import DistContext, SmdRankLost, lost_peer
+from stages.common.distributed import DistContext, SmdRankLost, lost_peer
 from tests import multinode
 from tests.helpers import ROOT, make_project, max_param_diff, params_of
 
@@ -100,10 +100,10 @@ def _one_process_stages(proj: Path, out: Path) -> None:
     differ from a whole 1-process pipeline's by the learner's float32 summation order (weights within 1e-6)."""
     import torch
 
-    from stages.compaction import compact
-    from stages.evaluate.stage import evaluate
-    from stages.learner.train import learn
-    from stages.rollout.stage import rollout
+    from stages.compaction import run_compaction
+    from stages.evaluate.stage import run_evaluate
+    from stages.learner.train import run_learner
+    from stages.rollout.stage import run_rollout
 
     params = load_params(proj / "params.yaml", None)
     cwd, threads = Path.cwd(), torch.get_num_threads()
@@ -113,12 +113,12 @@ def _one_process_stages(proj: Path, out: Path) -> None:
         for n, it in enumerate(ITERATIONS, 1):
             before = Path("artifacts/warmstart/policy" if n == 1 else f"artifacts/iter-{n - 1:03d}/policy")
             two = Path("artifacts") / f"iter-{it}"
-            rollout(params, n, before, Path("artifacts/data/train.arrow"), out / it / "rollout", show_progress=False)
-            compact(params.compaction, out / it / "rollout" / "trajectories.arrow", out / it / "rollout" / "masks.raw.zarr",
+            run_rollout(params, n, before, Path("artifacts/data/train.arrow"), out / it / "rollout", show_progress=False)
+            run_compaction(params.compaction, out / it / "rollout" / "trajectories.arrow", out / it / "rollout" / "masks.raw.zarr",
                     out / it / "compact" / "masks.zarr", out / it / "compact" / "metrics.json")
-            learn(params, n, before, two / "rollout" / "trajectories.arrow", two / "compact" / "masks.zarr",
+            run_learner(params, n, before, two / "rollout" / "trajectories.arrow", two / "compact" / "masks.zarr",
                   out / it / "policy")
-            evaluate(params, n, two / "policy", Path("artifacts/data/eval.arrow"), out / it / "evaluate",
+            run_evaluate(params, n, two / "policy", Path("artifacts/data/eval.arrow"), out / it / "evaluate",
                      show_progress=False)
     finally:
         os.chdir(cwd)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.mask_store import open_mask_store, read_mask_rows
+from schemas.compacted_masks import open_mask_store, read_mask_rows
 from schemas.tables import read_table
 from tests.helpers import make_project, run_ok, subprocess_env
 

@@ -10,7 +10,7 @@ import pytest
 from schemas import rewards
 from schemas.errors import SmdInputError
 from schemas.params import load_params
-from stages.model import build_tiny_tokenizer
+from stages.common.model import build_tiny_tokenizer
 from stages.prepare.synthetic import ANSWER_CUE, POINTER_NODE_WORDS, count_tokens, filler_sentence, generate
 
 TASK = "pointer_chasing"

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.params.rollout import POLICIES, EvictionParams
-from stages.kvcache.engine import generate_batch
-from stages.kvcache.policies import POLICY_REGISTRY, LayerSlots, evict
-from stages.model import load_policy
+from stages.common.kvcache.policies import POLICY_REGISTRY, LayerSlots, evict
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import load_policy
 from tests.helpers import make_model_dir, random_prompts
 
 

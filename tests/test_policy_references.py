@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from schemas.masks import budget, visible_counts
 from schemas.params.rollout import EvictionParams
-from stages.kvcache.engine import generate_batch
-from stages.model import attention_implementation, load_policy
+from schemas.raw_masks import budget, visible_counts
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import attention_implementation, load_policy
 from tests.helpers import make_model_dir, random_prompts
 
 LENGTHS = [57, 40, 64, 33]  # a left-padded batch of unequal prompts

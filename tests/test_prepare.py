@@ -15,7 +15,7 @@ from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.params.prepare import SYNTHETIC_TASKS
 from schemas.tables import read_table, table_config
-from stages.model import build_tiny_tokenizer, load_tokenizer
+from stages.common.model import build_tiny_tokenizer, load_tokenizer
 from stages.prepare import run_prepare
 from stages.prepare.synthetic import ANSWER_CUE, count_tokens, generate
 from tests.helpers import make_model_dir

@@ -17,7 +17,7 @@ from schemas.atomic import OWNER_MARKER, atomic_path, owned_by_smd
 from schemas.errors import SmdInputError
 from schemas.metrics import METRICS_SCHEMA_VERSION, write_metrics
 from schemas.params import load_params
-from stages.model import build_tiny_model, build_tiny_tokenizer
+from stages.common.model import build_tiny_model, build_tiny_tokenizer
 from tests.helpers import SHAPES, empty_params
 
 
@@ -267,10 +267,10 @@ def test_every_stage_metrics_file_carries_version_and_config(tmp_path):
     """The stage writers that go through write_metrics: prepare, rollout, compaction, evaluate (learn and warm
     start: test_learner / the real-model flow above); progress.json too."""
     from schemas.params.compaction import CompactionParams
-    from stages.compaction.compact import compact
+    from stages.compaction.compact import run_compaction
     from stages.prepare import run_prepare
-    from stages.reporting.progress import progress
-    from stages.rollout.stage import rollout
+    from stages.progress.stage import run_progress
+    from stages.rollout.stage import run_rollout
     from tests.helpers import make_model_dir
 
     model_dir = make_model_dir(tmp_path)
@@ -281,13 +281,13 @@ def test_every_stage_metrics_file_carries_version_and_config(tmp_path):
     run_prepare(p.prepare, model_dir, data, seed=0)
     art = tmp_path / "artifacts"
     base = art / "iter-001"
-    rollout(p, 1, model_dir, data / "train.arrow", base / "rollout", show_progress=False)
-    compact(CompactionParams(), base / "rollout" / "trajectories.arrow", base / "rollout" / "masks.raw.zarr",
+    run_rollout(p, 1, model_dir, data / "train.arrow", base / "rollout", show_progress=False)
+    run_compaction(CompactionParams(), base / "rollout" / "trajectories.arrow", base / "rollout" / "masks.raw.zarr",
             base / "compact" / "masks.zarr", base / "compact" / "metrics.json")
     for headline in (data / "stats.json", base / "rollout" / "metrics.json", base / "compact" / "metrics.json"):
         details = json.loads((headline.parent / "details.json").read_text())
         assert json.loads(headline.read_text())["schema_version"] == METRICS_SCHEMA_VERSION, headline
         assert details["schema_version"] == METRICS_SCHEMA_VERSION and isinstance(details["config"], dict), headline
-    rec = json.loads(progress(1, art).read_text())
+    rec = json.loads(run_progress(1, art).read_text())
     assert rec["schema_version"] == 1 and rec["kind"] == "progress" and rec["config"]["iteration"] == 1
     assert [r["iteration"] for r in rec["rows"]] == [1]

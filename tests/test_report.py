@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from schemas.errors import SmdInputError
-from stages.reporting.report import parse_dvc_exp_show, report
+from stages.tools.report import parse_dvc_exp_show, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,7 +52,7 @@ def _table(md: str, first: str = "| run |") -> list[list[str]]:
 
 
 def test_arms_mean_and_std_over_seeds(tmp_path):
-    from stages.reporting.report import arm_rows, load_run
+    from stages.tools.report import arm_rows, load_run
 
     runs = []
     for seed, ems in ((0, [0.5, 0.6]), (1, [0.5, 0.8])):

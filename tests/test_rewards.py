@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from schemas import rewards
 from schemas.errors import SmdInputError
 from schemas.params.prepare import TASKS
-from stages.model import build_tiny_tokenizer
+from stages.common.model import build_tiny_tokenizer
 
 
 def test_final_number_gsm8k_convention():

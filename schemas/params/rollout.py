@@ -6,13 +6,13 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# The eviction policy names: the one list. stages.kvcache.policies registers one class under each name
+# The eviction policy names: the one list. stages.common.kvcache.policies registers one class under each name
 # (and fails at import if a name has none); benches, tests and synthetic rollouts take the names from here.
 PolicyName = Literal["dense", "snapkv", "h2o", "recent", "random"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 # Generation engines: `hf` is smd's engine (transformers with the evicting cache, every policy, shadow masks);
-# `vllm` is vLLM (stages/vllm_engine.py), dense generation only: it has no per-head eviction.
+# `vllm` is vLLM (stages/common/vllm_sampler.py), dense generation only: it has no per-head eviction.
 EngineName = Literal["hf", "vllm"]
 
 

@@ -1,5 +1,5 @@
-"""Compaction stage: raw rollout masks -> learner-ready mask store (`schemas.mask_store`)."""
+"""Compaction stage: raw rollout masks -> learner-ready mask store (`schemas.compacted_masks`)."""
 
-from stages.compaction.compact import compact
+from stages.compaction.compact import run_compaction
 
-__all__ = ["compact"]
+__all__ = ["run_compaction"]

@@ -1,4 +1,4 @@
-"""Raw shadow masks (rollout shards) -> the learner-ready compacted store (`schemas.mask_store`).
+"""Raw shadow masks (rollout shards) -> the learner-ready compacted store (`schemas.compacted_masks`).
 
 Steps: read the trajectory table and every raw shard; check that the raw store is bound to this table (its
 recorded rollout id and digest, `schemas.tables.trajectories_binding`: masks of another rollout are refused even
@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
+from schemas.compacted_masks import RETENTION_STATS, narrowest_dtype, store_nbytes, write_mask_store
 from schemas.errors import SmdInputError
-from schemas.mask_store import RETENTION_STATS, narrowest_dtype, store_nbytes, write_mask_store
-from schemas.masks import budget, read_raw_masks, visible_counts
 from schemas.metrics import write_metrics
 from schemas.params.compaction import CompactionParams
+from schemas.raw_masks import budget, read_raw_masks, visible_counts
 from schemas.tables import check_binding, read_table, table_config, trajectories_binding
 
 HEADLINE = ("rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s")
@@ -190,7 +190,7 @@ def _per_head(values: np.ndarray, column_map: np.ndarray) -> list[list[float]]:
     return [[round(float(x), 6) for x in row] for row in values[column_map]]
 
 
-def compact(
+def run_compaction(
     cfg: CompactionParams,
     trajectories_path: str | Path,
     raw_masks_path: str | Path,

@@ -1,7 +1,7 @@
 """`smdctl evaluate`: greedy held-out evaluation of a policy, with the dense and with the compressed KV cache.
 
 Both modes decode the same eval prompts greedily (temperature 0) through the rollout engine
-(stages.kvcache.engine.generate_batch): `dense` with eviction policy "dense" (every key kept), `compressed`
+(stages.common.kvcache.sampler.generate_batch): `dense` with eviction policy "dense" (every key kept), `compressed`
 with the eviction the rollout samples with (`params.rollout.eviction`). So the compressed score is the
 accuracy of the policy as RL actually runs it, and dense - compressed is what the compression costs.
 Each response is scored with the task's metric (schemas.rewards: `score` and `exact_match`).
@@ -31,10 +31,10 @@ from schemas.layout import PREDICTIONS
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
-from stages.distributed import agree, attempt, my_batches, worker_context, write_collectively
-from stages.kvcache.engine import generate_batch
-from stages.model import check_positions, load_policy, load_tokenizer, reference_nll_batch
-from stages.vllm_engine import VllmEngine
+from stages.common.distributed import agree, attempt, my_batches, worker_context, write_collectively
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import check_positions, load_policy, load_tokenizer, reference_nll_batch
+from stages.common.vllm_sampler import VllmEngine
 
 MODES = ("dense", "compressed")
 # What `dvc metrics show` prints (fits 160 columns); the KV kept fraction is the rollout's headline.
@@ -126,7 +126,7 @@ def summary_table(metrics: dict[str, Any]) -> Table:
     return table
 
 
-def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_prompts_path: str | Path,
+def run_evaluate(params: Params, iteration: int, policy_path: str | Path, eval_prompts_path: str | Path,
              out_dir: str | Path, show_progress: bool = True) -> dict[str, Path]:
     """Greedy-evaluate `policy_path` on the eval split with the dense and the compressed cache.
 
@@ -134,7 +134,7 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
     checkpoint, missing/empty/invalid eval table, prompts too long for the model) raises SmdInputError before
     anything is written; the output directory appears only complete.
 
-    Data parallel under the launcher (stages.distributed): decoding batch b (prompts sorted by length) and
+    Data parallel under the launcher (stages.common.distributed): decoding batch b (prompts sorted by length) and
     reference-NLL batch b run on process b mod N; the predictions and NLL terms are gathered to rank 0 over
     the process group and assembled in table order, so the output equals the one-process output (greedy
     decoding has no randomness). A failing process fails the stage on every process; nothing is written.
@@ -195,7 +195,7 @@ def evaluate(params: Params, iteration: int, policy_path: str | Path, eval_promp
             rows.extend(mode_rows)
         nll = {b: terms for part in parts for b, terms in part["nll"].items()}
         total = 0.0
-        for b in range(len(nll_batches)):  # the one-process summation order (stages.model.reference_nll)
+        for b in range(len(nll_batches)):  # the one-process summation order (stages.common.model.reference_nll)
             for term in nll[b]:
                 total += term
         metrics["eval/dense/reference_nll"] = total / max(len(prompts), 1)

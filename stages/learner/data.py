@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schemas.compacted_masks import MaskStore, open_mask_store, read_mask_rows, verify_array
 from schemas.errors import SmdInputError
-from schemas.mask_store import MaskStore, open_mask_store, read_mask_rows, verify_array
 from schemas.params.learner import LearnerParams
 from schemas.tables import check_binding, read_table, table_config
-from stages.learner.metrics import check_finite
+from stages.learner.mismatch import check_finite
 from stages.learner.objectives import group_advantages
 from stages.learner.shadow_attention import pad_evict_at
 

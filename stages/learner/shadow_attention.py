@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from schemas.masks import visibility
-from stages.model import attention_implementation
+from schemas.raw_masks import visibility
+from stages.common.model import attention_implementation
 
 SHADOW_ATTENTION = "smd_shadow"
 

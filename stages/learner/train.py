@@ -1,6 +1,6 @@
 """`smdctl learn`: GRPO post-training of the policy on one iteration's rollouts under DeepSpeed (docs/design.md).
 
-Flow of `learn(...)`, one named step each:
+Flow of `run_learner(...)`, one named step each:
   1. `setup`: read and cross-check the inputs (trajectory table, compacted mask store for smd/shadow, policy),
      GRPO advantages over the whole batch grouped by prompt_id; join/create the process group, build the
      DeepSpeed engine (torch AdamW, ZeRO stage from params), resume the optimizer state saved beside the
@@ -54,9 +54,10 @@ from schemas.metrics import write_metrics
 from schemas.params import Params, format_validation_error
 from schemas.params.learner import LearnerParams
 from schemas.weights import write_weights_digest
-from stages.distributed import write_collectively
+from stages.common.distributed import write_collectively
+from stages.common.model import check_positions, load_policy, load_tokenizer, place_model
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
-from stages.learner.engine import (
+from stages.learner.deepspeed_runtime import (
     TRAINER_STATE,
     DistContext,
     init_distributed,
@@ -65,7 +66,7 @@ from stages.learner.engine import (
     save_trainer_state,
 )
 from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
-from stages.learner.metrics import check_finite, mismatch_metrics
+from stages.learner.mismatch import check_finite, mismatch_metrics
 from stages.learner.objectives import (
     RECOMPUTED_OLD,
     loss_agg_for,
@@ -81,7 +82,6 @@ from stages.learner.shadow_attention import (
     response_hidden,
     response_hidden_with_teacher,
 )
-from stages.model import check_positions, load_policy, load_tokenizer, place_model
 
 MASKED_OBJECTIVES = ("smd", "shadow")
 
@@ -532,7 +532,7 @@ def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: di
         dist.barrier()
 
 
-def learn(
+def run_learner(
     params: Params,
     iteration: int,
     policy_path: str | Path,

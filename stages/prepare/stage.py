@@ -10,7 +10,7 @@ from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
 from schemas.params.prepare import SYNTHETIC_TASKS, PrepareParams
 from schemas.tables import write_table
-from stages.model import load_tokenizer, prompt_token_ids
+from stages.common.model import load_tokenizer, prompt_token_ids
 from stages.prepare import loaders, synthetic
 
 HEADLINE = ("train.rows", "eval.rows", "train.prompt_tokens_mean", "eval.prompt_tokens_mean")
@@ -92,7 +92,7 @@ def run_prepare(
     per split) and `details.json` (every statistic) under `out_dir`.
 
     Prompts are tokenized with the policy's tokenizer at `tokenizer_path`: through its chat template when it has
-    one and `chat_template` is on (`stages.model.prompt_token_ids`), else the plain text (no special tokens added).
+    one and `chat_template` is on (`stages.common.model.prompt_token_ids`), else the plain text (no special tokens added).
     Everything is built and validated in memory first, so bad input leaves nothing behind.
     """
     out_dir = Path(out_dir)

@@ -1,7 +1,7 @@
 """Seeded synthetic long-context tasks that a tiny model can learn on a CPU.
 
 Each generator returns `(prompt, reference)` pairs. Prompts end with the answer cue "answer :"; the
-policy's response is the reference followed by EOS. Every word comes from `stages.vocab` (a test
+policy's response is the reference followed by EOS. Every word comes from `stages.common.vocab` (a test
 checks the tiny tokenizer maps them without [UNK]). The important facts are spread over filler
 sentences and distractors up to `context_tokens`, so a KV cache that evicts them costs reward.
 

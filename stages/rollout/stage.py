@@ -3,7 +3,7 @@
 One process, or several under the launcher (see `rollout`). Writes, atomically as one directory
 (docs/design.md §5):
   trajectories.arrow   one row per response (schemas.tables TRAJECTORIES_SCHEMA)
-  masks.raw.zarr       raw shadow masks, one shard per `shard_rows` rows (schemas.masks)
+  masks.raw.zarr       raw shadow masks, one shard per `shard_rows` rows (schemas.raw_masks)
   metrics.json         headline (DVC metrics): mean reward, KV kept fraction, response length, tokens/s
   details.json         every figure: reward spread, token counts, seconds (schemas.metrics)
 """
@@ -25,14 +25,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas import rewards
 from schemas.errors import SmdInputError
 from schemas.layout import RAW_MASKS, TRAJECTORIES
-from schemas.masks import merge_raw_stores, write_raw_masks
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
+from schemas.raw_masks import merge_raw_stores, write_raw_masks
 from schemas.tables import TRAJECTORIES_SCHEMA, read_table, trajectories_binding, write_table
-from stages.distributed import agree, attempt, batch_seed, my_batches, worker_context, write_collectively
-from stages.kvcache.engine import SampleResult, generate_batch
-from stages.model import check_positions, load_policy, load_policy_config, load_tokenizer
-from stages.vllm_engine import VllmEngine, request_seed
+from stages.common.distributed import (
+    agree,
+    attempt,
+    batch_seed,
+    my_batches,
+    worker_context,
+    write_collectively,
+)
+from stages.common.kvcache.sampler import SampleResult, generate_batch
+from stages.common.model import check_positions, load_policy, load_policy_config, load_tokenizer
+from stages.common.vllm_sampler import VllmEngine, request_seed
 
 HEADLINE = ("reward/mean", "kv/kept_fraction", "response/length_mean", "rollout/tokens_per_s")
 PARTS = ".parts"  # per-process parts inside the temporary output directory, merged and removed by rank 0
@@ -58,11 +65,11 @@ def eligible_prompts(prompts: list[dict[str, Any]], min_tokens: int, source: str
     return eligible
 
 
-def rollout(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path,
+def run_rollout(params: Params, iteration: int, policy_path: str | Path, prompts_path: str | Path,
             out_dir: str | Path, show_progress: bool = True) -> dict[str, Path]:
     """Sample `group_size` responses for each of the iteration's prompts; write trajectories, raw masks, metrics.
 
-    Data parallel under the launcher (stages.distributed): the jobs (prompt, group index) are cut into
+    Data parallel under the launcher (stages.common.distributed): the jobs (prompt, group index) are cut into
     batches of `batch_size`; batch b runs on process b mod N with a generator seeded from (seed, iteration,
     b), so every batch samples the same tokens whatever N is. Each process writes its trajectory part and
     its raw-mask part; rank 0 merges them into the canonical order (row r = job r = `mask_row` r), so the

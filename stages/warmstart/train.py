@@ -25,7 +25,7 @@ from schemas.params.warmstart import WarmstartParams
 from schemas.rewards import exact_match, metric_name, score
 from schemas.tables import read_table
 from schemas.weights import write_weights_digest
-from stages.model import (
+from stages.common.model import (
     check_positions,
     load_policy,
     load_tokenizer,

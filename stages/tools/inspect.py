@@ -11,9 +11,15 @@ import pyarrow.compute as pc
 import pyarrow.feather as feather
 import zarr
 
+from schemas.compacted_masks import (
+    RETENTION_STATS,
+    STORE_KIND,
+    open_mask_store,
+    retention_frame,
+    store_nbytes,
+)
 from schemas.errors import SmdInputError
-from schemas.mask_store import RETENTION_STATS, STORE_KIND, open_mask_store, retention_frame, store_nbytes
-from schemas.masks import RAW_KIND, read_raw_masks, visible_counts
+from schemas.raw_masks import RAW_KIND, read_raw_masks, visible_counts
 from schemas.tables import KINDS, read_table, table_config
 
 

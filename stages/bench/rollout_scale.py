@@ -27,8 +27,8 @@ from schemas.layout import TRAJECTORIES
 from schemas.params import Params, load_params
 from schemas.params.model import TinyModelParams
 from schemas.tables import write_table
-from stages.model import init_tiny_model
-from stages.rollout.stage import rollout
+from stages.common.model import init_tiny_model
+from stages.rollout.stage import run_rollout
 
 
 def _free_port() -> int:
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, threads: int, params: Params, poli
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
-    rollout(params, 1, policy, prompts, out, show_progress=False)
+    run_rollout(params, 1, policy, prompts, out, show_progress=False)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -8,7 +8,7 @@ policy, measured side by side in one run (the machine is shared and noisy; ratio
   - compaction throughput (tokens/s, validation included);
   - time to read one learner micro-batch's masks (`read_mask_rows` of chunk_rows rows, store open)
     against a learner-like step on the same rows: forward+backward of the tiny Qwen3 model
-    (`stages.model.build_tiny_model`, SDPA, dense causal attention: a lower bound of the shadow-masked
+    (`stages.common.model.build_tiny_model`, SDPA, dense causal attention: a lower bound of the shadow-masked
     step, so the ratio is conservative); from `fwd_only_from` tokens on (16k by default) only the
     attention forward of the tiny shape (one causal SDPA call per layer over T tokens, GQA), an even
     lower bound, to keep the run within a few minutes on a CPU.
@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from schemas.compacted_masks import open_mask_store, read_mask_rows
 from schemas.layout import MASKS
-from schemas.mask_store import open_mask_store, read_mask_rows
 from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import POLICIES
-from stages.compaction.compact import compact
-from stages.synthetic_rollouts import eviction_config, synthetic_rollout, write_synthetic_inputs
+from stages.bench.synthetic_rollouts import eviction_config, synthetic_rollout, write_synthetic_inputs
+from stages.compaction.compact import run_compaction
 
 TARGET_DENSE_FRACTION = 0.01  # at T = 4096
 TARGET_READ_FRACTION = 0.05
@@ -42,8 +42,8 @@ def _learner_step(T: int, rows: int, mode: str, repeats: int = 1) -> float:
     import torch
 
     from schemas.params.model import TinyModelParams
-    from stages.model import build_tiny_model
-    from stages.vocab import tiny_vocabulary
+    from stages.common.model import build_tiny_model
+    from stages.common.vocab import tiny_vocabulary
 
     shape = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
     model = build_tiny_model(shape, vocab_size=len(tiny_vocabulary()), seed=0)
@@ -129,7 +129,7 @@ def run_compaction_bench(
                 d = Path(tmp) / f"{policy}-{T}"
                 traj, raw = write_synthetic_inputs(d, table, shards, ev, num_layers, num_kv_heads)
                 t0 = time.perf_counter()
-                out = compact(CompactionParams(chunk_rows=mb), traj, raw, d / MASKS, d / "metrics.json")
+                out = run_compaction(CompactionParams(chunk_rows=mb), traj, raw, d / MASKS, d / "metrics.json")
                 compact_s = time.perf_counter() - t0
                 m = json.loads(out["details"].read_text())
                 read_s = _read_time(out["masks"], list(range(mb)), read_repeats)

@@ -21,8 +21,8 @@ import torch
 from schemas.errors import SmdInputError
 from schemas.params.model import TinyModelParams
 from schemas.params.rollout import POLICIES, EvictionParams
-from stages.kvcache.engine import generate_batch
-from stages.model import build_tiny_model, place_model, resolve_device
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import build_tiny_model, place_model, resolve_device
 
 DEFAULT_SHAPE = "default"
 VOCAB = 256

@@ -2,7 +2,7 @@
 
 One process by default. Under the `deepspeed` launcher (or `torchrun`), RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT come from the environment and every process runs the same command. Every stage's
-device follows one rule (`model.device`, `stages.model.resolve_device`: auto = the local rank's GPU when CUDA is
+device follows one rule (`model.device`, `stages.common.model.resolve_device`: auto = the local rank's GPU when CUDA is
 available, else the CPU), and the process group follows the device: gloo on CPU, NCCL on CUDA (rollout and
 evaluation exchange only Python objects and barriers, NCCL carries those through the process's own GPU). No
 process pool or job queue of our own.
@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError, SmdRankError
-from stages.model import local_rank as launcher_local_rank
-from stages.model import resolve_device
+from stages.common.model import local_rank as launcher_local_rank
+from stages.common.model import resolve_device
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -70,7 +70,7 @@ def launched_world() -> int:
 def init_distributed(backend: str | None = None, device: str = "auto") -> DistContext:
     """Join (or create) the process group: the launcher's env when present, else a one-process group.
 
-    `device` is `model.device` (resolved for this process's local rank by `stages.model.resolve_device`);
+    `device` is `model.device` (resolved for this process's local rank by `stages.common.model.resolve_device`);
     `backend` defaults to nccl when that is a GPU, gloo otherwise."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -31,7 +31,7 @@ from schemas.atomic import atomic_path, is_foreign_dir
 from schemas.errors import SmdInputError
 from schemas.params.model import DEVICE_CHOICES, DEVICE_PATTERN, ModelParams, TinyModelParams
 from schemas.weights import verify_weights_digest, write_weights_digest
-from stages.vocab import bpe_training_corpus, tiny_vocabulary
+from stages.common.vocab import bpe_training_corpus, tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
 
@@ -83,7 +83,7 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTo
 
 def build_tokenizer(shape: TinyModelParams) -> PreTrainedTokenizerFast:
     """The tiny model's tokenizer that model.tiny.tokenizer names: word-level, or byte-level BPE trained on the
-    fixed corpus `stages.vocab.bpe_training_corpus()` (deterministic: the same tokenizer.json every time)."""
+    fixed corpus `stages.common.vocab.bpe_training_corpus()` (deterministic: the same tokenizer.json every time)."""
     if shape.tokenizer == "bpe":
         return build_bpe_tokenizer(bpe_training_corpus(), vocab_size=shape.bpe_vocab_size)
     return build_tiny_tokenizer()

@@ -22,7 +22,7 @@ one step whose working memory is measured: peak resident set (VmHWM, reset throu
 minus the resident set just before it (model, optimizer state, inputs), with glibc set to mmap every
 allocation >= 64 KiB (mallopt) so that the resident set follows live memory.
 
-Masks are synthetic SnapKV-like schedules (`stages.synthetic_rollouts`, keep ratio 0.5) over a
+Masks are synthetic SnapKV-like schedules (`stages.bench.synthetic_rollouts`, keep ratio 0.5) over a
 prompt of 3/4 T and a response of T/4 (the learner's loss covers the response). Random weights.
 Times are CPU times on a shared machine: ratios are what count; on CPU FlexAttention has no fused
 backward, so the smd flex step uses the block-sparse torch backward of `flex_backend`.
@@ -135,8 +135,8 @@ def _setup(T: int, num_layers: int, num_kv_heads: int, vocab_size: int, seed: in
     import numpy as np
     import torch
 
+    from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
     from stages.learner.shadow_attention import pad_evict_at
-    from stages.synthetic_rollouts import eviction_config, synthetic_evict_at
 
     P, R = (3 * T) // 4, T - (3 * T) // 4
     rng = np.random.default_rng(seed)
@@ -161,14 +161,14 @@ def build_bench_model(shape: str, T: int, device: str = "cpu", dtype: str = "flo
 
     from schemas.errors import SmdInputError
     from schemas.params.model import TinyModelParams
-    from stages.model import build_tiny_model
-    from stages.vocab import tiny_vocabulary
+    from stages.common.model import build_tiny_model
+    from stages.common.vocab import tiny_vocabulary
 
     if shape not in SHAPES:
         raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     import torch
 
-    from stages.model import DTYPES
+    from stages.common.model import DTYPES
 
     if shape == "tiny":
         tiny = TinyModelParams().model_copy(update={"max_position_embeddings": max(T, 8192)})
@@ -186,7 +186,7 @@ def build_bench_model(shape: str, T: int, device: str = "cpu", dtype: str = "flo
 
 def describe_shape(shape: str) -> str:
     from schemas.params.model import TinyModelParams
-    from stages.vocab import tiny_vocabulary
+    from stages.common.vocab import tiny_vocabulary
 
     if shape == "tiny":
         t = TinyModelParams()
@@ -206,9 +206,9 @@ class _Learner:
         from transformers import AttentionInterface
 
         from schemas.params.learner import LearnerParams
+        from stages.common.model import configure_precision
         from stages.learner.objectives import objective_kwargs, token_logprobs
         from stages.learner.shadow_attention import response_logits
-        from stages.model import configure_precision
 
         if threads:
             torch.set_num_threads(threads)
@@ -235,6 +235,7 @@ class _Learner:
         (`labels`, response-only loss, logits of the response positions)."""
         import torch
 
+        from stages.common.model import attention_implementation
         from stages.learner.logprobs import chunked_token_scores, lm_head_of
         from stages.learner.objectives import objective_loss, token_logprobs
         from stages.learner.shadow_attention import (
@@ -243,7 +244,6 @@ class _Learner:
             response_logits,
             response_logits_with_teacher,
         )
-        from stages.model import attention_implementation
 
         model, b = self.model, self.batch
         args = (b["ids"], b["evict_at"], b["prompt_lens"], b["resp_lens"])
@@ -406,7 +406,7 @@ def _gather_logits(model, b: dict, block_size: int):
 
 
 def _run_child(args: dict[str, Any], env: dict[str, str], timeout_s: int) -> tuple[dict[str, Any] | None, str]:
-    cmd = [sys.executable, "-m", "stages.learner.bench", json.dumps(args)]
+    cmd = [sys.executable, "-m", "stages.bench.learner", json.dumps(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -425,7 +425,7 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
     (`measure_steps`: CUDA's peak allocation per step needs no process per learner), in `dtype`."""
     from schemas.errors import SmdInputError
     from schemas.params.learner import LearnerParams
-    from stages.model import DTYPES, resolve_device
+    from stages.common.model import DTYPES, resolve_device
 
     where = resolve_device(device)
     if dtype not in DTYPES:

@@ -22,9 +22,9 @@ import torch
 from schemas.params.model import TinyModelParams
 from schemas.params.rollout import EvictionParams
 from schemas.tables import read_table
-from stages.kvcache.engine import SampleResult, generate_batch
-from stages.model import init_tiny_model, load_policy, load_tokenizer
-from stages.vllm_engine import VllmEngine, request_seed
+from stages.common.kvcache.sampler import SampleResult, generate_batch
+from stages.common.model import init_tiny_model, load_policy, load_tokenizer
+from stages.common.vllm_sampler import VllmEngine, request_seed
 
 
 def _fastest(run: Callable[[], list[SampleResult]], repeats: int) -> tuple[float, list[SampleResult]]:

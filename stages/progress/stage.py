@@ -1,9 +1,9 @@
 """Per-iteration progress series for DVC plots and the default experiment's summary.
 
-`progress(i)` gathers, for iterations 1..i, the headline numbers of rollout, learn and evaluate metrics
+`run_progress(i)` gathers, for iterations 1..i, the headline numbers of rollout, learn and evaluate metrics
 into `artifacts/iter-NNN/progress.json`: `{"schema_version", "kind": "progress", "config", "rows": [...]}`,
 one row per iteration, which `dvc plots show` draws (it plots the file's list of rows); then rebuilds the
-run's TensorBoard view (`stages.reporting.tensorboard`).
+run's TensorBoard view (`stages.progress.tensorboard`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.layout import DETAILS, METRICS, RunLayout
-from stages.reporting.tensorboard import write_tensorboard
+from stages.progress.tensorboard import write_tensorboard
 
 PROGRESS_SCHEMA_VERSION = 1
 PROGRESS_KIND = "progress"
@@ -56,7 +56,7 @@ def iteration_row(artifacts: Path, n: int) -> dict:
     return row
 
 
-def progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
+def run_progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
     artifacts = Path(artifacts)
     rows = [iteration_row(artifacts, n) for n in range(1, iteration + 1)]
     out = RunLayout(artifacts).iteration(iteration).progress

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
+from stages.common.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
 
 
 def pooled_window_scores(attn: torch.Tensor, window: int, pooling: str, kernel: int, scope: str) -> torch.Tensor:

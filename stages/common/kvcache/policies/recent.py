@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
+from stages.common.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
 
 
 @register_policy

@@ -1,7 +1,7 @@
 """The budget schedule of one sampling batch, computed on the host once, before the batch runs.
 
 Every layer and KV head inserts one key per decoding step and evicts down to the same keep count, and that
-count depends only on positions (the budget rule of `schemas.masks.budget`), never on what was sampled. So
+count depends only on positions (the budget rule of `schemas.raw_masks.budget`), never on what was sampled. So
 the keep count of every step, and how far over it the cache can be, are known before the first token:
 the decode loop reads them from tensors instead of computing a Python list per step, and decides on the
 host, without a device sync, whether a step evicts at all.
@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from schemas.masks import protected_tokens
+from schemas.raw_masks import protected_tokens
 
 
 def budget_array(n: np.ndarray, eviction: dict[str, Any], prompt_len: np.ndarray) -> np.ndarray:
-    """`schemas.masks.budget` elementwise: the most keys a layer/head may hold once n tokens entered the cache.
+    """`schemas.raw_masks.budget` elementwise: the most keys a layer/head may hold once n tokens entered the cache.
 
     The same float64 arithmetic as the scalar rule (ceil(keep_ratio * n - 1e-9)), so the two agree exactly
     (tests/test_engine_device.py checks every n up to a few thousand against it).

@@ -45,12 +45,12 @@ def tiny_vocabulary() -> list[str]:
     return list(seen)
 
 
-# Chat roles of the ChatML template (stages.model.CHATML_TEMPLATE): "<|im_start|>user\n" etc.
+# Chat roles of the ChatML template (stages.common.model.CHATML_TEMPLATE): "<|im_start|>user\n" etc.
 CHAT_ROLES = ["system", "user", "assistant"]
 
 
 def bpe_training_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
-    """The fixed text the tiny byte-level BPE tokenizer is trained on (`stages.model.build_bpe_tokenizer`):
+    """The fixed text the tiny byte-level BPE tokenizer is trained on (`stages.common.model.build_bpe_tokenizer`):
     `lines` seeded lines, each a chat role name and a newline (as the template renders a turn) then words, numbers
     (1-3 digits) and punctuation the synthetic tasks write, joined by single spaces as the tasks join them. Same
     (lines, seed) -> the same list in any process (`random.Random` with a str seed ignores PYTHONHASHSEED)."""

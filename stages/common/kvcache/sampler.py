@@ -10,7 +10,7 @@ How it plugs into transformers:
 - Every eviction writes `evict_at[layer, seq, head, pos] = query_pos + 1` (docs/design.md §4).
 
 Devices (docs/design.md, Devices): every tensor lives on the model's device. The budget schedule of the batch
-is computed on the host before it runs (`stages.kvcache.schedule`); the decode loop keeps tokens, log-probs
+is computed on the host before it runs (`stages.common.kvcache.schedule`); the decode loop keeps tokens, log-probs
 and stop flags as device tensors and syncs with the host only for its stop check, every
 `stop_check_every` steps (the extra steps after every sequence stopped are masked out, so the results do
 not depend on it); the host copies the trajectories and `evict_at` once, at the end of the batch.
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from schemas.masks import visible_counts
 from schemas.params.rollout import EvictionParams
-from stages.kvcache.policies import EvictionPolicy, LayerSlots, evict, make_policy
-from stages.kvcache.schedule import BudgetSchedule, budget_schedule
-from stages.model import attention_implementation
+from schemas.raw_masks import visible_counts
+from stages.common.kvcache.policies import EvictionPolicy, LayerSlots, evict, make_policy
+from stages.common.kvcache.schedule import BudgetSchedule, budget_schedule
+from stages.common.model import attention_implementation
 
 ROLLOUT_ATTENTION = "smd_rollout"
 _PREFILL_CHUNK = 64  # query chunk for attention-probability passes (bounds memory at long prompts)

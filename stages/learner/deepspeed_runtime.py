@@ -1,7 +1,7 @@
 """DeepSpeed plumbing of the learner: process group, engine, trainer-state checkpoints.
 
 One process by default: the process group (gloo on CPU, nccl on CUDA) is created by
-`stages.distributed.init_distributed` with world size 1 on 127.0.0.1 and a free port. Under the `deepspeed` launcher (or `torchrun`) RANK / WORLD_SIZE /
+`stages.common.distributed.init_distributed` with world size 1 on 127.0.0.1 and a free port. Under the `deepspeed` launcher (or `torchrun`) RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT come from the environment and every process runs the same
 command; the learner shards the batch by rank.
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from schemas.errors import SmdInputError
 from schemas.params.learner import LearnerParams
-from stages.distributed import DistContext, agree, init_distributed  # noqa: F401 - the learner's process group
+from stages.common.distributed import DistContext, agree, init_distributed  # noqa: F401 - the learner's process group
 
 TRAINER_STATE = "trainer_state"
 STATE_TAG = "state"

@@ -1,6 +1,6 @@
 """Synthetic rollouts for tests and benchmarks (compaction, learner): policy-like eviction schedules.
 
-Every schedule is produced by simulating a cache under the budget rule of `schemas.masks.budget`:
+Every schedule is produced by simulating a cache under the budget rule of `schemas.raw_masks.budget`:
 prefill attends densely; at each decode query q the new key enters and, while the cache holds more
 than budget(q + 1) keys, the evictable key (not a sink, not in the recent window) with the lowest
 priority leaves (its evict_at = q). Policies differ only in the priority:
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from schemas.layout import RAW_MASKS, TRAJECTORIES
-from schemas.masks import budget, write_raw_masks
 from schemas.params.rollout import EvictionParams
+from schemas.raw_masks import budget, write_raw_masks
 from schemas.tables import read_table, trajectories_binding, write_table
 
 

@@ -1,1 +1,0 @@
-"""Reporting shared by the pipeline's last steps: per-iteration progress series and experiment reports."""
