@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The eviction policy names: the one list. stages.common.kvcache.policies registers one class under each name
 # (and fails at import if a name has none); benches, tests and synthetic rollouts take the names from here.
@@ -93,8 +93,6 @@ class RolloutParams(BaseModel):
     group_size: int = Field(8, ge=2, description="Responses per prompt (G); GRPO needs at least 2.")
     max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs are of this distribution.")
-    top_k: int = Field(0, ge=0, description="Must stay 0 (off): the learner scores the full softmax.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Must stay 1.0 (off): the learner scores the full softmax.")
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
     compile: bool = Field(
         False, description="Run the decoding step through torch.compile (CUDA graphs on a GPU, mode "
@@ -123,14 +121,14 @@ class RolloutParams(BaseModel):
             )
         return self
 
-    @field_validator("top_k", "top_p")
+    @model_validator(mode="before")
     @classmethod
-    def _no_truncation(cls, value: float, info) -> float:
-        off = 0 if info.field_name == "top_k" else 1.0
-        if value != off:
-            raise ValueError(
-                f"{value} is not supported, only {off} (off): the sampler would draw from a truncated, renormalised "
-                "distribution while the learner (parity gate, ratios, KL, dense baselines) scores the full softmax "
-                "at rollout.temperature, a different policy"
-            )
-        return value
+    def _no_truncated_sampling(cls, data: Any) -> Any:
+        for name in ("top_k", "top_p"):
+            if isinstance(data, dict) and name in data:
+                raise ValueError(
+                    f"rollout.{name}: not a parameter: rollouts sample the full softmax at rollout.temperature, the "
+                    "distribution the learner (parity gate, ratios, KL, dense baselines) scores; a truncated, "
+                    "renormalised sampler would be a different policy. Remove the key"
+                )
+        return data

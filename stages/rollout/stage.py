@@ -197,7 +197,7 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
             if engine is None:
                 generator = torch.Generator().manual_seed(batch_seed(seed, iteration, chunk[0]))
                 results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
-                                            cfg.top_k, cfg.top_p, generator, stop_check_every=cfg.stop_check_every,
+                                            generator, stop_check_every=cfg.stop_check_every,
                                             compile=cfg.compile)
             else:
                 results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,

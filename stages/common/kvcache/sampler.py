@@ -312,24 +312,15 @@ class BatchStats:
     generated_tokens: int
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None):
-    """Sample (or argmax when temperature == 0); return tokens and their log-probs under the used distribution."""
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+    """Sample from the full softmax at `temperature` (argmax when 0); return tokens and their log-probs under
+    that distribution, the one the learner scores (no top-k / top-p truncation: see RolloutParams)."""
     logits = logits.float()
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logits = logits / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
@@ -352,8 +343,6 @@ def generate_batch(
     eos_token_id: int | None,
     pad_token_id: int = 0,
     temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     generator: torch.Generator | None = None,
     stop_check_every: int = 0,
     compile: bool = False,
@@ -373,7 +362,7 @@ def generate_batch(
         logits = prefill(model, prompts, state, cache, pad_token_id, kwargs)
         step = compiled_decode_step(model) if compile else _decode_step
         tokens, logprobs, lengths, stopped = decode(model, logits, state, cache, kwargs, max_new_tokens,
-                                                    eos_token_id, pad_token_id, temperature, top_k, top_p,
+                                                    eos_token_id, pad_token_id, temperature,
                                                     generator, stop_check_interval(state.device, stop_check_every),
                                                     step)
     return sample_results(state, tokens, logprobs, lengths, stopped), batch_stats(model, state, cache,
@@ -463,8 +452,8 @@ def compiled_decode_step(model):
 
 
 def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCache, kwargs: dict[str, Any],
-           max_new_tokens: int, eos_token_id: int | None, pad_token_id: int, temperature: float, top_k: int,
-           top_p: float, generator: torch.Generator | None, stop_check_every: int = 1, step_fn=_decode_step):
+           max_new_tokens: int, eos_token_id: int | None, pad_token_id: int, temperature: float,
+           generator: torch.Generator | None, stop_check_every: int = 1, step_fn=_decode_step):
     """Sample token by token until every sequence stopped or max_new_tokens; each step feeds the sampled token
     at its original position and evicts down to the budget.
 
@@ -484,7 +473,7 @@ def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCach
     step_window = state.policy.recent_window(step_keep)
     P = state.seq_length
     for step in range(max_new_tokens):
-        tok, lp = _sample(logits[:, -1], temperature, top_k, top_p, generator)
+        tok, lp = _sample(logits[:, -1], temperature, generator)
         tokens[:, step] = tok
         logprobs[:, step] = lp
         lengths += alive
