@@ -32,12 +32,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from schemas.errors import SmdInputError
+from schemas.layout import (
+    DETAILS,
+    EVAL_PROMPTS,
+    METRICS,
+    PREDICTIONS,
+    PROGRESS,
+    STEPS,
+    TRAIN_PROMPTS,
+    TRAJECTORIES,
+)
 
 OWNER_MARKER = ".smd-owner"
 OWNER_TEXT = "This directory was written by smd (schemas/atomic.py); smd may replace it.\n"
 # The files smd's stages write into their output directories (dvc.yaml tracks them one by one).
-STAGE_FILES = frozenset({"metrics.json", "details.json", "stats.json", "steps.json", "progress.json",
-                         "trajectories.arrow", "predictions.arrow", "train.arrow", "eval.arrow"})
+STAGE_FILES = frozenset({METRICS, DETAILS, "stats.json", STEPS, PROGRESS, TRAJECTORIES, PREDICTIONS, TRAIN_PROMPTS,
+                         EVAL_PROMPTS})
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}$")  # atomic_path's own temporaries
 
 
