@@ -40,6 +40,7 @@ COMMAND_MODULES = [
     "cli.inspect",
     "cli.bench",
     "cli.progress",
+    "cli.headline",
     "cli.params_cmd",
     "cli.iterations",
     "cli.chain",

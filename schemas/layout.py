@@ -12,6 +12,7 @@ A run's artifacts live under one directory (`artifacts/` for `dvc repro`, `<run-
     iter-NNN/learn/{metrics.json,details.json,steps.json}
     iter-NNN/evaluate/{predictions.arrow,metrics.json,details.json}
     iter-NNN/progress.json
+    metrics.json                         headline (the last iteration; the only DVC `metrics` file)
     tensorboard/{learn,iteration}/       the progress stage's TensorBoard view (not a DVC output)
 
 The CLI, the in-process chain, the comparison runner, the report and the progress stage take their paths
@@ -126,6 +127,12 @@ class RunLayout:
     @property
     def warmstart_policy(self) -> Path:
         return self.warmstart / "policy"
+
+    @property
+    def headline(self) -> Path:
+        """The run's headline figures (the last iteration's, and the warm start's dense score): dvc.yaml's one
+        `metrics` file, written by the headline stage (`stages.progress.headline`)."""
+        return self.artifacts / METRICS
 
     @property
     def tensorboard(self) -> Path:

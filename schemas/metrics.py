@@ -1,10 +1,12 @@
 """Stage metrics files: the headline figures, and the full record beside them.
 
 Every stage writes two JSON files into its output directory:
-- `metrics.json` (prepare: `stats.json`), declared as DVC `metrics`: only the stage's headline figures, so
-  `dvc metrics show` and `dvc exp show` answer "how did this run do" at a glance;
-- `details.json` beside it, not a DVC metric: the whole record (the headline figures too), with the
-  detailed statistics (per-head retention, checks, samples) and the configuration the stage ran with.
+- `metrics.json` (prepare: `stats.json`): only the stage's headline figures (what the progress rows, the
+  summary, the report and TensorBoard read);
+- `details.json` beside it: the whole record (the headline figures too), with the detailed statistics
+  (per-head retention, checks, samples) and the configuration the stage ran with.
+Both are uncached DVC `outs`, not DVC metrics: dvc.yaml's one metric is the run's headline
+`artifacts/metrics.json` (stages.progress.headline), so `dvc metrics show` / `dvc exp show` stay one table.
 A headline key `a.b` picks `b` inside the record's `a` (nested the same way in the headline file).
 Like every other artifact, both carry `schema_version`; details.json also always carries `config`, the
 configuration the stage ran with (`write_metrics` refuses a record without one).

@@ -33,6 +33,7 @@ def test_layout_names_every_declared_path():
         "learn": {it.policy, it.learn / METRICS, it.learn / STEPS},
         "evaluate": {it.predictions, it.evaluate / DETAILS, it.evaluate / METRICS},
         "progress": {it.progress},
+        "headline": {run.headline},
     }
     assert set(expected) <= set(stages)
     for name, paths in expected.items():

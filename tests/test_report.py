@@ -193,6 +193,39 @@ def test_dvc_exp_show_json(tmp_path):
         parse_dvc_exp_show({"not": "a list"})
 
 
+def test_dvc_exp_show_json_of_the_headline(tmp_path):
+    """Experiments whose one DVC metric is the headline (artifacts/metrics.json): the last iteration's row and
+    the warm start's dense score as iteration 0."""
+    def headline(objective, reward):
+        return {"artifacts/metrics.json": {"iteration": 6, "reward": reward, "dense": 0.68, "compressed": 0.65,
+                                           "dense_em": 0.33, "compressed_em": 0.27, "ref_nll": 2.7, "kv_kept": 0.5,
+                                           "dlogp_max": 1.2e-5, "mismatch_kl": 1e-8, "warm_dense": 0.69}}
+
+    params = {"learner": {"objective": "smd"}, "rollout": {"eviction": {"policy": "snapkv", "keep_ratio": 0.5}}}
+    naive = _exp("a" * 40, "exp-naive", {**params, "learner": {"objective": "naive"}}, headline("naive", 0.4))
+    baseline = _exp("d" * 40, "main", params, {}, experiments=[{"revs": [naive], "executor": None, "name": "exp-naive"}])
+    workspace = _exp("workspace", None, params, headline("smd", 0.6))
+    runs, skipped = parse_dvc_exp_show([workspace, baseline])
+    assert [r.name for r in runs] == ["workspace", "exp-naive"] and skipped == ["main (no iteration metrics)"]
+    assert runs[1].config["objective"] == "naive"
+    assert runs[1].metrics == {
+        0: {"evaluate": {"eval/dense/score": 0.69}},
+        6: {"rollout": {"reward/mean": 0.4, "kv/kept_fraction": 0.5},
+            "evaluate": {"eval/dense/score": 0.68, "eval/compressed/score": 0.65, "eval/dense/exact_match": 0.33,
+                         "eval/compressed/exact_match": 0.27, "eval/dense/reference_nll": 2.7},
+            "learn": {"mismatch/logprob_abs_diff_max": 1.2e-5, "mismatch/kl": 1e-8}},
+    }
+    out = report(None, _write_json(tmp_path / "exps.json", [workspace, baseline]), tmp_path / "reports")
+    body = _table(out["markdown"].read_text())[1:]
+    assert ["exp-naive", "naive", "snapkv", "0.5", "6", "0.4000", "0.6800", "0.6500", "1.2e-05"] in body
+    assert ["exp-naive", "naive", "snapkv", "0.5", "0", "—", "0.6900", "—", "—"] in body
+
+
+def _write_json(path, data):
+    path.write_text(json.dumps(data))
+    return path
+
+
 def test_cli_report(tmp_path):
     from cli.main import app
 

@@ -8,7 +8,7 @@ Each response is scored with the task's metric (schemas.rewards: `score` and `ex
 
 Writes, atomically as one directory (docs/design.md §5):
   predictions.arrow   one row per (prompt, mode) (schemas.tables EVAL_PREDICTIONS_SCHEMA)
-  metrics.json        headline (DVC metrics): eval/{dense,compressed}/{score,exact_match}
+  metrics.json        headline (an uncached DVC out): eval/{dense,compressed}/{score,exact_match}
   details.json        every figure of both modes (KV kept, lengths, tokens/s), agreement, score gap, and the
                       config (schemas.metrics)
 """
@@ -37,7 +37,8 @@ from stages.common.model import check_positions, load_policy, load_tokenizer, re
 from stages.common.vllm_sampler import VllmEngine
 
 MODES = ("dense", "compressed")
-# What `dvc metrics show` prints (fits 160 columns); the KV kept fraction is the rollout's headline.
+# The stage's headline (metrics.json; progress rows and artifacts/metrics.json take theirs from it); the KV kept
+# fraction is the rollout's headline.
 HEADLINE = ("eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match",
             "eval/dense/reference_nll")
 DENSE = EvictionParams(policy="dense")

@@ -9,8 +9,10 @@ Inputs (any mix):
   taken from `params.yaml` beside `artifacts/` (schema defaults fill the keys it omits): a run made with
   `-S` overrides is labelled by what ran, not by the params file it sits beside.
 - the output of `dvc exp show --json` (a list of experiment states, experiments nested under their
-  baseline): metrics from its `iter-NNN/<stage>/metrics.json`; labels from the config those record, else
-  from the experiment's params files.
+  baseline): metrics from its one DVC metric, the headline `artifacts/metrics.json` (the last iteration's
+  figures and the warm start's dense score as iteration 0, `stages.progress.headline`), or from the
+  `iter-NNN/<stage>/metrics.json` of experiments made when those were DVC metrics; labels from the config
+  those record, else from the experiment's params files.
 
 One row per (run, iteration) with: objective (learner.objective), policy (rollout.eviction.policy),
 keep_ratio (rollout.eviction.keep_ratio), reward/mean (rollout), eval dense / compressed score (evaluate),
@@ -32,6 +34,7 @@ import yaml
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
 from schemas.layout import DETAILS, METRICS, RunLayout
+from stages.progress.headline import HEADLINE_KEYS, WARMSTART_KEY
 
 STAGES = ("rollout", "learn", "evaluate")
 MISSING = "—"
@@ -51,6 +54,7 @@ VALUE_COLUMNS = [
 ]
 HEADERS = ["run", *PARAM_KEYS, "iteration", *(c for c, _, _ in VALUE_COLUMNS)]
 _METRICS_PATH = re.compile(r"(?:^|/)iter-(\d{3,})/(rollout|learn|evaluate)/metrics\.json$")
+_HEADLINE_PATH = re.compile(r"(?:^|/)artifacts/metrics\.json$")
 
 
 @dataclass
@@ -221,10 +225,18 @@ def parse_dvc_exp_show(data: Any, source: str = "dvc exp show") -> tuple[list[Ru
             skipped.append(f"{name} ({'error' if state.get('error') else 'no data'})")
             continue
         metrics: dict[int, dict[str, dict[str, Any]]] = {}
+        headlines = []
         for path, result in (body.get("metrics") or {}).items():
-            m = _METRICS_PATH.search(str(path).replace("\\", "/"))
-            if m and isinstance(result, dict) and isinstance(result.get("data"), dict):
+            path = str(path).replace("\\", "/")
+            if not (isinstance(result, dict) and isinstance(result.get("data"), dict)):
+                continue
+            m = _METRICS_PATH.search(path)
+            if m:
                 metrics.setdefault(int(m.group(1)), {})[m.group(2)] = result["data"]
+            elif _HEADLINE_PATH.search(path):
+                headlines.append(result["data"])
+        for data in headlines:
+            _merge_headline(metrics, data)
         if not metrics:
             skipped.append(f"{name} (no iteration metrics)")
             continue
@@ -244,6 +256,19 @@ def parse_dvc_exp_show(data: Any, source: str = "dvc exp show") -> tuple[list[Ru
             runs.remove(ws)
             skipped.append(f"workspace (same as {twin.name})")
     return runs, skipped
+
+
+def _merge_headline(metrics: dict[int, dict[str, dict[str, Any]]], headline: dict[str, Any]) -> None:
+    """Fill in the figures of a headline file (artifacts/metrics.json) under their stage names: the last
+    iteration's, and the warm start's dense score as iteration 0; per-stage metrics already there win."""
+    iteration = headline.get("iteration")
+    if isinstance(iteration, int) and not isinstance(iteration, bool):
+        for key, stage, stage_key in HEADLINE_KEYS:
+            if stage is not None and key in headline:
+                metrics.setdefault(iteration, {}).setdefault(stage, {}).setdefault(stage_key, headline[key])
+    warm = headline.get(WARMSTART_KEY[0])
+    if warm is not None:
+        metrics.setdefault(0, {}).setdefault("evaluate", {}).setdefault("eval/dense/score", warm)
 
 
 def read_dvc_exp_json(path: str | Path) -> tuple[list[Run], list[str]]:
