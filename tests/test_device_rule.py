@@ -22,7 +22,7 @@ from stages.common.model import configure_precision, load_policy, resolve_device
 from stages.compaction import run_compaction
 from stages.learner.data import build_micro_batch, load_learner_data
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
-from stages.learner.objectives import objective_kwargs, objective_loss
+from stages.learner.objectives import ObjectiveBatch, objective_loss
 from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
 from tests.helpers import SHAPES, make_inputs, make_model_dir
 
@@ -145,9 +145,9 @@ def _learner_step(model, data, backend: str) -> dict[str, torch.Tensor]:
     hidden, teacher, targets, valid = response_hidden_with_teacher(model, mb.input_ids, mb.evict_at, mb.prompt_lens,
                                                                    mb.resp_lens, backend)
     scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, teacher_hidden=teacher, chunk_tokens=8)
-    loss, _ = objective_loss("smd", advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
-                             masked_logp=scores["logp"], kl_per_token=scores["kl"],
-                             **objective_kwargs(LearnerParams(), 1.0))
+    loss, _ = objective_loss(LearnerParams(), ObjectiveBatch(advantages=mb.advantages, mask=mb.valid,
+                                                             rollout_logp=mb.rollout_logp, masked_logp=scores["logp"],
+                                                             kl_per_token=scores["kl"]))
     model.zero_grad(set_to_none=True)
     loss.backward()
     grad = model.get_input_embeddings().weight.grad.detach().clone()

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from schemas.params.learner import LearnerParams
 from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
 from stages.common.model import load_policy
 from stages.learner.flex_backend import build_block_masks
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
-from stages.learner.objectives import group_advantages, objective_loss
+from stages.learner.objectives import ObjectiveBatch, group_advantages, objective_loss
 from stages.learner.shadow_attention import (
     checkpointed_layers,
     enable_layer_checkpointing,
@@ -65,9 +66,9 @@ def _smd_grads(model, batch, backend: str, checkpointing: bool):
         else:
             hidden, teacher, targets, valid = response_hidden_with_teacher(model, ids, evict_at, prompts, resp, backend)
     scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=0.8, teacher_hidden=teacher)
-    loss, _ = objective_loss("smd", advantages=group_advantages(torch.tensor([1.0, 0.0, 3.0]), group_size=3),
-                             mask=valid, rollout_logp=rollout, masked_logp=scores["logp"], kl_per_token=scores["kl"],
-                             temperature=0.8)
+    loss, _ = objective_loss(LearnerParams(), ObjectiveBatch(
+        advantages=group_advantages(torch.tensor([1.0, 0.0, 3.0]), group_size=3), mask=valid, rollout_logp=rollout,
+        masked_logp=scores["logp"], kl_per_token=scores["kl"]))
     model.zero_grad()
     calls["in_backward"] = True
     loss.backward()

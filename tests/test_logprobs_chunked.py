@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from schemas.errors import SmdInputError
+from schemas.params.learner import LearnerParams
+from stages.bench.full_logits import full_logits_objective_loss
 from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
 from stages.common.model import load_policy
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.objectives import (
+    ObjectiveBatch,
     dense_teacher_kl_per_token,
     group_advantages,
     objective_loss,
@@ -139,7 +142,7 @@ def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
     prompt_lens, resp_lens = [prompt] * 3, [n - prompt for n in lengths]
     rollout = -torch.rand(3, max(resp_lens), generator=g)
     adv = group_advantages(torch.tensor([1.0, 0.0, 2.0]), group_size=3)
-    kw = dict(advantages=adv, rollout_logp=rollout, kl_lambda=0.1, temperature=0.8)
+    smd, kw = LearnerParams(kl_lambda=0.1), dict(advantages=adv, rollout_logp=rollout)
     params = [p for p in model.parameters() if p.requires_grad]
     # the head's chain, then the backward through every layer (attention over T keys and head_dim, the
     # projections and the MLP) and the weight gradients' sum over the B x T tokens
@@ -149,18 +152,19 @@ def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
 
     sel, dsel, targets, valid = response_logits_with_teacher(model, ids, evict_at, prompt_lens, resp_lens)
     logp = token_logprobs(sel, targets, 0.8).masked_fill(~valid, 0.0)
-    ref_loss, ref_terms = objective_loss("smd", mask=valid, masked_logp=logp, masked_logits=sel, dense_logits=dsel,
-                                         **kw)
+    ref_loss, ref_terms = full_logits_objective_loss(smd, ObjectiveBatch(mask=valid, masked_logp=logp, **kw),
+                                                     masked_logits=sel, dense_logits=dsel, temperature=0.8)
     ref_g = torch.autograd.grad(ref_loss, params)
 
     hidden, teacher, targets2, valid2 = response_hidden_with_teacher(model, ids, evict_at, prompt_lens, resp_lens)
     assert torch.equal(targets, targets2) and torch.equal(valid, valid2)
     scores = chunked_token_scores(hidden, lm_head_of(model), targets2, valid2, temperature=0.8, chunk_tokens=5,
                                   teacher_hidden=teacher)
-    loss, terms = objective_loss("smd", mask=valid2, masked_logp=scores["logp"], kl_per_token=scores["kl"], **kw)
-    assert _close(loss, ref_loss, chain) and _close(torch.tensor(terms["kl_dense"]), torch.tensor(ref_terms["kl_dense"]),
-                                                    chain)
-    assert ref_terms["kl_dense"] > 0
+    loss, terms = objective_loss(smd, ObjectiveBatch(mask=valid2, masked_logp=scores["logp"],
+                                                     kl_per_token=scores["kl"], **kw))
+    assert _close(loss, ref_loss, chain) and _close(torch.tensor(terms["loss/kl_dense"]),
+                                                    torch.tensor(ref_terms["loss/kl_dense"]), chain)
+    assert ref_terms["loss/kl_dense"] > 0
     for p, a, b in zip(params, ref_g, torch.autograd.grad(loss, params)):
         assert _close(b, a, chain), p.shape
     # the dense learner's path (no teacher): response logits vs chunked scores

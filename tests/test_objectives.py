@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,17 +14,23 @@ from pydantic import ValidationError
 
 from schemas.errors import SmdInputError
 from schemas.params import load_params
-from schemas.params.learner import LearnerParams
+from schemas.params.learner import OBJECTIVES, LearnerParams
+from stages.bench.full_logits import full_logits_objective_loss
 from stages.learner.objectives import (
+    OBJECTIVE_REGISTRY,
+    ObjectiveBatch,
     aggregate,
     dense_teacher_kl,
     dense_teacher_kl_per_token,
     group_advantages,
-    objective_kwargs,
+    loss_agg_for,
     objective_loss,
+    objective_spec,
     policy_loss,
     reference_kl,
+    register_objective,
     sparse_rl_rejection,
+    sparse_rl_rules,
     sparse_rl_weight_sums,
     tis_weights,
     token_entropy,
@@ -32,6 +40,10 @@ from stages.learner.objectives import (
 
 LN = math.log
 T = torch.tensor
+# The symmetric PPO clip and token mean that the by-hand values of the policy-loss tests assume
+PPO = {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "loss_agg": "token_mean"}
+# Sparse-RL's official rules (learner defaults), from the params as the learner maps them
+RULES = sparse_rl_rules(LearnerParams())
 
 
 # ------------------------------------------------------------------------------------ group advantages
@@ -96,7 +108,7 @@ def test_clipping_region_values_and_gradients():
     # one token per sequence, old_logp = 0, so ratio = exp(logp)
     logp = T([[LN(1.5)], [LN(1.5)], [LN(0.5)], [LN(0.5)]], requires_grad=True)
     adv = T([1.0, -1.0, 1.0, -1.0])
-    loss, stats = policy_loss(logp, torch.zeros(4, 1), adv, torch.ones(4, 1))
+    loss, stats = policy_loss(logp, torch.zeros(4, 1), adv, torch.ones(4, 1), **PPO)
     # per token -min(r A, clip(r) A): [-1.2 (clipped), 1.5, -0.5, 0.8 (clipped)], token mean over 4
     assert loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 4)
     loss.backward()
@@ -109,10 +121,10 @@ def test_clipping_region_values_and_gradients():
 
 
 def test_clip_higher_and_full_gradient_inside_the_range():
-    loss, _ = policy_loss(T([[LN(1.5)]]), T([[0.0]]), T([1.0]), T([[1.0]]), clip_eps_high=0.28)
+    loss, _ = policy_loss(T([[LN(1.5)]]), T([[0.0]]), T([1.0]), T([[1.0]]), **{**PPO, "clip_eps_high": 0.28})
     assert loss.item() == pytest.approx(-1.28)
     logp = T([[LN(1.1)]], requires_grad=True)
-    loss, stats = policy_loss(logp, T([[0.0]]), T([2.0]), T([[True]]))
+    loss, stats = policy_loss(logp, T([[0.0]]), T([2.0]), T([[True]]), **PPO)
     loss.backward()
     assert loss.item() == pytest.approx(-2.2)
     assert logp.grad.item() == pytest.approx(-2.2)  # both branches equal: the full gradient, not half
@@ -144,7 +156,7 @@ def test_policy_loss_aggregations_by_hand():
     mask = T([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
     adv = T([1.0, -2.0])
     got = {
-        agg: policy_loss(logp, logp, adv, mask, loss_agg=agg)[0].item()
+        agg: policy_loss(logp, logp, adv, mask, **{**PPO, "loss_agg": agg})[0].item()
         for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
     }
     assert got["token_mean"] == pytest.approx((-3 + 2) / 4)
@@ -155,7 +167,7 @@ def test_policy_loss_aggregations_by_hand():
 def test_token_weights_scale_the_loss_and_get_no_gradient():
     w = T([[2.0, 0.5]], requires_grad=True)
     logp = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros(1, 2), T([1.0]), torch.ones(1, 2), token_weights=w)
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), T([1.0]), torch.ones(1, 2), token_weights=w, **PPO)
     loss.backward()
     assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
     assert logp.grad.tolist() == [[pytest.approx(-1.0), pytest.approx(-0.25)]]
@@ -164,9 +176,9 @@ def test_token_weights_scale_the_loss_and_get_no_gradient():
 
 def test_policy_loss_validates_shapes():
     with pytest.raises(SmdInputError, match="advantages"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3), **PPO)
     with pytest.raises(SmdInputError, match="mask"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 2))
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 2), **PPO)
 
 
 # ------------------------------------------------------------------------------------------- KL terms
@@ -179,8 +191,8 @@ def test_dense_teacher_kl_direction_is_kl_dense_to_masked():
     kl_pq = 0.5 * LN(0.5 / 0.9) + 0.5 * LN(0.5 / 0.1)  # 0.5108
     kl_qp = 0.9 * LN(0.9 / 0.5) + 0.1 * LN(0.1 / 0.5)  # 0.3681
     mask = torch.ones(1, 1)
-    got = dense_teacher_kl(masked_logits=_logits(*q), dense_logits=_logits(*p), mask=mask).item()
-    swapped = dense_teacher_kl(masked_logits=_logits(*p), dense_logits=_logits(*q), mask=mask).item()
+    got = dense_teacher_kl(masked_logits=_logits(*q), dense_logits=_logits(*p), mask=mask, loss_agg="token_mean").item()
+    swapped = dense_teacher_kl(masked_logits=_logits(*p), dense_logits=_logits(*q), mask=mask, loss_agg="token_mean").item()
     assert got == pytest.approx(kl_pq, rel=1e-6)
     assert swapped == pytest.approx(kl_qp, rel=1e-6)
     assert abs(got - swapped) > 0.1
@@ -191,7 +203,7 @@ def test_dense_teacher_kl_applies_temperature_to_both():
     dense = T([0.0, 2 * LN(3)]).view(1, 1, 2)
     masked = T([4.0, 4.0]).view(1, 1, 2)
     expected = 0.25 * LN(0.25 / 0.5) + 0.75 * LN(0.75 / 0.5)
-    got = dense_teacher_kl(masked, dense, torch.ones(1, 1), temperature=2.0).item()
+    got = dense_teacher_kl(masked, dense, torch.ones(1, 1), temperature=2.0, loss_agg="token_mean").item()
     assert got == pytest.approx(expected, rel=1e-6)
 
 
@@ -201,7 +213,7 @@ def test_dense_teacher_gets_no_gradient_and_student_gradient_is_q_minus_p():
     dense = torch.randn(2, 3, 7, requires_grad=True)  # the caller "forgot" no_grad
     mask = T([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     tau = 0.7
-    dense_teacher_kl(masked, dense, mask, temperature=tau).backward()
+    dense_teacher_kl(masked, dense, mask, temperature=tau, loss_agg="token_mean").backward()
     assert dense.grad is None
     # d KL(p || softmax(z / tau)) / dz = (q - p) / tau, token mean over 5 valid tokens, 0 on padding
     q = torch.softmax(masked.detach() / tau, -1)
@@ -225,11 +237,11 @@ def test_reference_kl_estimators_by_hand():
     logp, ref = T([[LN(0.5)]]), T([[LN(0.25)]])  # d = ref - logp = -ln 2
     d = -LN(2)
     mask = torch.ones(1, 1)
-    assert reference_kl(logp, ref, mask, kind="k1").item() == pytest.approx(-d)
-    assert reference_kl(logp, ref, mask, kind="k2").item() == pytest.approx(0.5 * d * d)
-    assert reference_kl(logp, ref, mask, kind="k3").item() == pytest.approx(math.exp(d) - d - 1)
+    assert reference_kl(logp, ref, mask, kind="k1", loss_agg="token_mean").item() == pytest.approx(-d)
+    assert reference_kl(logp, ref, mask, kind="k2", loss_agg="token_mean").item() == pytest.approx(0.5 * d * d)
+    assert reference_kl(logp, ref, mask, kind="k3", loss_agg="token_mean").item() == pytest.approx(math.exp(d) - d - 1)
     with pytest.raises(SmdInputError):
-        reference_kl(logp, ref, mask, kind="k4")
+        reference_kl(logp, ref, mask, kind="k4", loss_agg="token_mean")
 
 
 # ----------------------------------------------------------------------------- off-policy corrections
@@ -249,7 +261,7 @@ def test_tis_weights_truncation_token_and_sequence():
     ws3 = tis_weights(learner, rollout, mask, level="sequence", cap=3.0)
     assert ws3[0, 0].item() == pytest.approx(2.25)
     # a huge sequence log-ratio does not overflow
-    big = tis_weights(torch.full((1, 200), 5.0), torch.zeros(1, 200), torch.ones(1, 200), level="sequence")
+    big = tis_weights(torch.full((1, 200), 5.0), torch.zeros(1, 200), torch.ones(1, 200), level="sequence", cap=2.0)
     assert (big == 2.0).all()
 
 
@@ -273,7 +285,7 @@ KEPT_MEAN = 6.8 / 6
 
 def test_sparse_rl_official_rules_by_hand():
     learner, rollout, mask = _rejection_batch()
-    keep, w, stats = sparse_rl_rejection(learner, rollout, mask)  # defaults = the official configuration
+    keep, w, stats = sparse_rl_rejection(learner, rollout, mask, **RULES)  # the defaults: the official configuration
     assert keep.tolist() == [
         [True, True, True],
         [False, True, False],
@@ -290,7 +302,7 @@ def test_sparse_rl_official_rules_by_hand():
     ]
     # 4 sequences with tokens, row 2 vetoed; 11 valid tokens, 6 kept
     assert stats == {"rejection/seq_fraction": 0.25, "rejection/token_fraction": pytest.approx(5 / 11)}
-    counts, sums = sparse_rl_weight_sums(learner, rollout, mask)
+    counts, sums = sparse_rl_weight_sums(keep, w)
     assert counts.tolist() == [3, 1, 0, 2, 0]
     assert sums.tolist() == pytest.approx([3.0, 1.4, 0.0, 2.4, 0.0])
 
@@ -298,23 +310,24 @@ def test_sparse_rl_official_rules_by_hand():
 def test_sparse_rl_veto_window_cap_and_geometric_rule():
     learner, rollout, mask = _rejection_batch()
     # veto off: row 2's 5e-5 token is only masked by the window, its two 1.0 tokens stay
-    keep, _, stats = sparse_rl_rejection(learner, rollout, mask, veto_threshold=0.0)
+    keep, _, stats = sparse_rl_rejection(learner, rollout, mask, **{**RULES, "veto_threshold": 0.0})
     assert keep[2].tolist() == [False, True, True] and stats["rejection/seq_fraction"] == 0.0
     # veto just below 5e-5: not vetoed either
-    keep, _, _ = sparse_rl_rejection(learner, rollout, mask, veto_threshold=4e-5)
+    keep, _, _ = sparse_rl_rejection(learner, rollout, mask, **{**RULES, "veto_threshold": 4e-5})
     assert keep[2].tolist() == [False, True, True]
     # a wider window with a lower cap: 2.0 and 0.4 kept, weights truncated at 1.25
-    keep, w, stats = sparse_rl_rejection(learner, rollout, mask, token_ratio_low=0.1, token_ratio_high=3.0, cap=1.25)
+    keep, w, stats = sparse_rl_rejection(learner, rollout, mask, **{**RULES, "token_ratio_low": 0.1, "token_ratio_high": 3.0,
+                                                                 "cap": 1.25})
     assert keep[1].tolist() == [True, True, False] and keep[3].tolist() == [True, True, True]
     assert w[1].tolist() == pytest.approx([1.25, 1.25, 0.0]) and w[3].tolist() == pytest.approx([0.4, 1.1, 1.25])
     assert stats["rejection/token_fraction"] == pytest.approx(3 / 11)  # row 2's three tokens
     # the geometric-mean rule (off by default), c = 1.25: row 1's (2 * 1.4)^(1/2) = 1.67 > 1.25 rejected;
     # row 3's (0.4 * 1.1 * 1.3)^(1/3) = 0.830 >= 1 / 1.25 kept; row 0's 0.96^(1/3) kept
-    keep, _, stats = sparse_rl_rejection(learner, rollout, mask, seq_ratio_max=1.25)
+    keep, _, stats = sparse_rl_rejection(learner, rollout, mask, **{**RULES, "seq_ratio_max": 1.25})
     assert keep.any(dim=-1).tolist() == [True, False, False, True, False]
     assert stats["rejection/seq_fraction"] == 0.5
     with pytest.raises(SmdInputError, match="token window"):
-        sparse_rl_rejection(learner, rollout, mask, token_ratio_low=1.5)
+        sparse_rl_rejection(learner, rollout, mask, **{**RULES, "token_ratio_low": 1.5})
 
 
 # ---------------------------------------------------------------------------------------- composition
@@ -338,23 +351,20 @@ def test_smd_gradient_is_masked_grpo_gradient_plus_lambda_kl_gradient():
         return masked_logits.grad.clone()
 
     def smd():
-        total, terms = objective_loss(
-            "smd",
-            advantages=adv,
-            mask=mask,
-            rollout_logp=rollout,
-            masked_logp=token_logprobs(masked_logits, tokens, tau),
+        total, terms = full_logits_objective_loss(
+            LearnerParams(objective="smd", kl_lambda=lam),
+            ObjectiveBatch(advantages=adv, mask=mask, rollout_logp=rollout,
+                           masked_logp=token_logprobs(masked_logits, tokens, tau)),
             masked_logits=masked_logits,
             dense_logits=dense_logits,
-            kl_lambda=lam,
             temperature=tau,
         )
-        assert terms["total"] == pytest.approx(terms["pg_loss"] + lam * terms["kl_dense"], rel=1e-6)
+        assert terms["loss/total"] == pytest.approx(terms["loss/pg"] + lam * terms["loss/kl_dense"], rel=1e-6)
         return total
 
     g_smd = grad_of(smd)
-    g_pg = grad_of(lambda: policy_loss(token_logprobs(masked_logits, tokens, tau), rollout, adv, mask)[0])
-    g_kl = grad_of(lambda: dense_teacher_kl(masked_logits, dense_logits, mask, temperature=tau))
+    g_pg = grad_of(lambda: policy_loss(token_logprobs(masked_logits, tokens, tau), rollout, adv, mask, **PPO)[0])
+    g_kl = grad_of(lambda: dense_teacher_kl(masked_logits, dense_logits, mask, temperature=tau, loss_agg="token_mean"))
     assert torch.allclose(g_smd, g_pg + lam * g_kl, atol=1e-6)
     assert g_kl.abs().sum() > 0 and g_pg.abs().sum() > 0
     assert dense_logits.grad is None
@@ -364,15 +374,12 @@ def test_shadow_ignores_lambda_and_needs_no_dense_pass():
     masked_logits, _, tokens, mask, rollout = _batch()
     adv = T([1.0, -1.0])
     logp = token_logprobs(masked_logits, tokens)
-    total, terms = objective_loss(
-        "shadow", advantages=adv, mask=mask, rollout_logp=rollout, masked_logp=logp, kl_lambda=0.5
-    )
-    pg, _ = policy_loss(logp, rollout, adv, mask)
-    assert total.item() == pytest.approx(pg.item()) and terms["kl_dense"] == 0.0
+    batch = ObjectiveBatch(advantages=adv, mask=mask, rollout_logp=rollout, masked_logp=logp)
+    total, terms = objective_loss(LearnerParams(objective="shadow", kl_lambda=0.5), batch)
+    pg, _ = policy_loss(logp, rollout, adv, mask, **PPO)
+    assert total.item() == pytest.approx(pg.item()) and terms["loss/kl_dense"] == 0.0
     # smd with lambda 0 is shadow, and needs no logits either
-    total0, _ = objective_loss(
-        "smd", advantages=adv, mask=mask, rollout_logp=rollout, masked_logp=logp, kl_lambda=0.0
-    )
+    total0, _ = objective_loss(LearnerParams(objective="smd", kl_lambda=0.0), batch)
     assert total0.item() == pytest.approx(pg.item())
 
 
@@ -380,17 +387,17 @@ def test_dual_clip_by_hand():
     # three one-token sequences, old = 0: ratios 5, 2, 5 with advantages -1, -1, +1; eps 0.2, c = 3
     logp = T([[LN(5.0)], [LN(2.0)], [LN(5.0)]], requires_grad=True)
     adv, mask, old = T([-1.0, -1.0, 1.0]), torch.ones(3, 1), torch.zeros(3, 1)
-    loss, stats = policy_loss(logp, old, adv, mask, dual_clip_c=3.0)
+    loss, stats = policy_loss(logp, old, adv, mask, dual_clip_c=3.0, **PPO)
     # PPO: -min(r A, clip(r) A) = [5, 2, -1.2]; dual clip caps A < 0 at -c A = 3: [3, 2, -1.2]
     assert loss.item() == pytest.approx((3 + 2 - 1.2) / 3)
     assert stats["pg/dual_clipfrac"] == pytest.approx(1 / 3) and stats["pg/clipfrac"] == pytest.approx(1 / 3)
     loss.backward()
     # capped token: no gradient; ratio 2 with A = -1: d(-r A)/dlogp = 2, / 3 tokens; clipped A > 0: none
     assert logp.grad.flatten().tolist() == [0.0, pytest.approx(2 / 3), 0.0]
-    off, stats = policy_loss(logp, old, adv, mask)
+    off, stats = policy_loss(logp, old, adv, mask, **PPO)
     assert off.item() == pytest.approx((5 + 2 - 1.2) / 3) and stats["pg/dual_clipfrac"] == 0.0
     with pytest.raises(SmdInputError, match="dual_clip_c"):
-        policy_loss(logp, old, adv, mask, dual_clip_c=1.0)
+        policy_loss(logp, old, adv, mask, dual_clip_c=1.0, **PPO)
 
 
 def test_naive_bypass_and_dense_take_the_rollout_as_old_with_dual_clip():
@@ -398,10 +405,12 @@ def test_naive_bypass_and_dense_take_the_rollout_as_old_with_dual_clip():
     rollout = rollout - 2.0  # ratios e^2 > c = 3 against the rollout: the dual clip binds where A < 0
     adv = T([0.5, -1.0])
     dense_logp = token_logprobs(dense_logits, tokens)
-    want = policy_loss(dense_logp, rollout, adv, mask, dual_clip_c=3.0)[0].item()
-    assert want != pytest.approx(policy_loss(dense_logp, rollout, adv, mask)[0].item())
+    want = policy_loss(dense_logp, rollout, adv, mask, dual_clip_c=3.0, **PPO)[0].item()
+    assert want != pytest.approx(policy_loss(dense_logp, rollout, adv, mask, **PPO)[0].item())
     for objective in ("naive_bypass", "dense"):
-        total, terms = objective_loss(objective, advantages=adv, mask=mask, rollout_logp=rollout, dense_logp=dense_logp)
+        total, terms = objective_loss(LearnerParams(objective=objective),
+                                      ObjectiveBatch(advantages=adv, mask=mask, rollout_logp=rollout,
+                                                     dense_logp=dense_logp))
         assert total.item() == pytest.approx(want) and terms["pg/dual_clipfrac"] > 0
 
 
@@ -409,28 +418,25 @@ def test_naive_recomputes_old_and_ignores_the_rollout():
     _, dense_logits, tokens, mask, rollout = _batch()
     adv = T([0.5, -1.0])
     dense_logp = token_logprobs(dense_logits, tokens)
+    naive = LearnerParams(objective="naive")
     for shift in (0.0, 3.0):  # the rollout's log-probs play no part
-        total, terms = objective_loss("naive", advantages=adv, mask=mask, rollout_logp=rollout - shift,
-                                      dense_logp=dense_logp)
+        total, terms = objective_loss(naive, ObjectiveBatch(advantages=adv, mask=mask, rollout_logp=rollout - shift,
+                                                            dense_logp=dense_logp))
         # old = the dense learner's own log-probs: ratio exactly 1, loss = -token mean of A = -(3 * 0.5 - 2) / 5
         assert terms["pg/ratio_min"] == terms["pg/ratio_max"] == 1.0 and terms["pg/clipfrac"] == 0.0
         assert total.item() == pytest.approx(0.1)
     # with an explicit old (the parity pass's), the ratio is against it
     old = dense_logp.detach() - 0.1
-    _, terms = objective_loss("naive", advantages=adv, mask=mask, rollout_logp=rollout, dense_logp=dense_logp,
-                              old_logp=old)
+    _, terms = objective_loss(naive, ObjectiveBatch(advantages=adv, mask=mask, rollout_logp=rollout,
+                                                    dense_logp=dense_logp, old_logp=old))
     assert terms["pg/ratio_mean"] == pytest.approx(math.exp(0.1))
 
 
 def test_tis_objective_by_hand():
     dense_logp = T([[LN(3.0), LN(0.5)]], requires_grad=True)
     total, terms = objective_loss(
-        "tis",
-        advantages=T([1.0]),
-        mask=torch.ones(1, 2),
-        rollout_logp=torch.zeros(1, 2),
-        dense_logp=dense_logp,
-        tis_cap=2.0,
+        LearnerParams(objective="tis", tis_cap=2.0),
+        ObjectiveBatch(advantages=T([1.0]), mask=torch.ones(1, 2), rollout_logp=torch.zeros(1, 2), dense_logp=dense_logp),
     )
     # old = dense (ratio 1), weights [min(3, 2), 0.5]: loss = -(2 + 0.5) / 2
     assert total.item() == pytest.approx(-1.25)
@@ -443,10 +449,12 @@ def test_sparse_rl_objective_batch_normalisation_and_aggregation():
     learner, rollout, mask = _rejection_batch()
     adv = torch.ones(5)
 
-    def run(rows, loss_agg, **kw):
+    def run(rows, loss_agg, sparse_rl_weight_mean=None, **kw):
         dense_logp = learner[rows].clone().requires_grad_(True)
-        total, terms = objective_loss("sparse_rl", advantages=adv[rows], mask=mask[rows], rollout_logp=rollout[rows],
-                                      dense_logp=dense_logp, loss_agg=loss_agg, **kw)
+        total, terms = objective_loss(
+            LearnerParams(objective="sparse_rl", loss_agg=loss_agg, sparse_rl_loss_agg=None, **kw),
+            ObjectiveBatch(advantages=adv[rows], mask=mask[rows], rollout_logp=rollout[rows], dense_logp=dense_logp,
+                           sparse_rl_weight_mean=sparse_rl_weight_mean))
         total.backward()
         return total.item(), terms, dense_logp.grad
 
@@ -478,13 +486,14 @@ def test_sparse_rl_micro_batches_sum_to_the_mini_batch():
     rollout = torch.zeros(6, 5, dtype=torch.float64)
     mask = torch.rand(6, 5, generator=g) > 0.2
     adv = torch.randn(6, generator=g, dtype=torch.float64)
-    counts, sums = sparse_rl_weight_sums(learner, rollout, mask)
+    counts, sums = sparse_rl_weight_sums(*sparse_rl_rejection(learner, rollout, mask, **RULES)[:2])
     mean = float(sums.sum() / counts.sum())
+    params = LearnerParams(objective="sparse_rl", sparse_rl_loss_agg=None)  # token_mean: shares of kept tokens
 
     def loss(rows, **kw):
         lp = learner[rows].clone().requires_grad_(True)
-        total, _ = objective_loss("sparse_rl", advantages=adv[rows], mask=mask[rows], rollout_logp=rollout[rows],
-                                  dense_logp=lp, **kw)
+        total, _ = objective_loss(params, ObjectiveBatch(advantages=adv[rows], mask=mask[rows],
+                                                         rollout_logp=rollout[rows], dense_logp=lp, **kw))
         total.backward()
         return total.item(), lp.grad
 
@@ -502,11 +511,12 @@ def test_sparse_rl_micro_batches_sum_to_the_mini_batch():
 def test_reference_kl_term_is_added():
     logp = T([[LN(0.5)]], requires_grad=True)
     kw = dict(advantages=T([0.0]), mask=torch.ones(1, 1), rollout_logp=T([[LN(0.5)]]), masked_logp=logp)
+    params = LearnerParams(objective="shadow", ref_kl_coef=0.1)
     with pytest.raises(SmdInputError, match="ref_logp"):
-        objective_loss("shadow", ref_kl_coef=0.1, **kw)
-    total, terms = objective_loss("shadow", ref_kl_coef=0.1, ref_logp=T([[LN(0.25)]]), **kw)
+        objective_loss(params, ObjectiveBatch(**kw))
+    total, terms = objective_loss(params, ObjectiveBatch(ref_logp=T([[LN(0.25)]]), **kw))
     d = -LN(2)
-    assert terms["kl_ref"] == pytest.approx(math.exp(d) - d - 1)
+    assert terms["loss/kl_ref"] == pytest.approx(math.exp(d) - d - 1)
     assert total.item() == pytest.approx(0.1 * (math.exp(d) - d - 1))
 
 
@@ -517,27 +527,100 @@ def test_objective_input_errors():
         rollout_logp=torch.zeros(1, 1),
         masked_logp=torch.zeros(1, 1),
     )
+    batch = ObjectiveBatch(**kw)
+    # params built in code (model_copy) skip pydantic's validation: the objective still refuses these
     with pytest.raises(SmdInputError, match="unknown objective"):
-        objective_loss("ppo", **kw)
+        objective_loss(LearnerParams().model_copy(update={"objective": "ppo"}), batch)
     with pytest.raises(SmdInputError, match="kl_lambda"):
-        objective_loss("smd", kl_lambda=-0.1, **kw)
+        objective_loss(LearnerParams().model_copy(update={"kl_lambda": -0.1}), batch)
     with pytest.raises(SmdInputError, match="masked_logits, dense_logits"):
-        objective_loss("smd", kl_lambda=0.1, **kw)
+        full_logits_objective_loss(LearnerParams(objective="smd", kl_lambda=0.1), batch)
+    with pytest.raises(SmdInputError, match="kl_per_token"):  # the learner's path: the chunked teacher KL
+        objective_loss(LearnerParams(objective="smd", kl_lambda=0.1), batch)
     with pytest.raises(SmdInputError, match="dense_logp"):
-        objective_loss("tis", **kw)
+        objective_loss(LearnerParams(objective="tis"), batch)
+
+
+# ------------------------------------------------------------------------------------------- registry
+def test_every_objective_is_registered_with_a_spec():
+    assert sorted(OBJECTIVE_REGISTRY) == sorted(OBJECTIVES)
+    for name in OBJECTIVES:
+        spec = objective_spec(name)
+        assert spec.name == name and callable(spec.fn)
+    with pytest.raises(SmdInputError, match="unknown objective 'ppo'"):
+        objective_spec("ppo")
+
+
+def test_the_spec_table():
+    specs = {name: objective_spec(name) for name in OBJECTIVES}
+    assert {n for n, s in specs.items() if s.masked_forward} == {"smd", "shadow"}
+    assert {n for n, s in specs.items() if s.old_logp == "recomputed"} == {"naive", "tis", "sparse_rl"}
+    assert {n for n, s in specs.items() if s.old_logp == "rollout"} == {"smd", "shadow", "naive_bypass", "dense"}
+    assert {n for n, s in specs.items() if s.dense_teacher} == {"smd"}
+    assert {n: s.row_weights for n, s in specs.items() if s.row_weights != "none"} == {"tis": "tis",
+                                                                                      "sparse_rl": "sparse_rl"}
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_each_objective_does_what_its_spec_says(name):
+    """The registered function reads the log-probs of its spec's forward, takes its spec's old policy (ratio
+    against the rollout, or 1), weights tokens only with row weights, and adds the teacher KL only with
+    dense_teacher (kl_lambda is ignored by the others)."""
+    spec = objective_spec(name)
+    logp, rollout = T([[LN(0.5), LN(0.25)]]), T([[LN(0.4), LN(0.25)]])  # ratios 1.25 and 1 against the rollout
+    field, other = ("masked_logp", "dense_logp") if spec.masked_forward else ("dense_logp", "masked_logp")
+    base = dict(advantages=T([1.0]), mask=torch.ones(1, 2, dtype=torch.bool), rollout_logp=rollout)
+    params = LearnerParams(objective=name, kl_lambda=0.1)
+    with pytest.raises(SmdInputError, match=field):
+        objective_loss(params, ObjectiveBatch(**base, **{other: logp}))
+    batch = ObjectiveBatch(**base, **{field: logp}, kl_per_token=torch.ones(1, 2))
+    total, terms = objective_loss(params, batch)
+    if spec.old_logp == "rollout":
+        assert terms["pg/ratio_max"] == pytest.approx(1.25) and terms["pg/ratio_min"] == pytest.approx(1.0)
+    else:
+        assert terms["pg/ratio_min"] == terms["pg/ratio_max"] == 1.0
+    assert ("is_weight/mean" in terms) == (spec.row_weights != "none")
+    assert terms["loss/kl_dense"] == pytest.approx(1.0 if spec.masked_forward else 0.0)  # logged with a teacher
+    added = 0.1 if spec.dense_teacher else 0.0
+    assert total.item() == pytest.approx(terms["loss/pg"] + added) == pytest.approx(terms["loss/total"])
+    if spec.dense_teacher:
+        with pytest.raises(SmdInputError, match="kl_per_token"):
+            objective_loss(params, ObjectiveBatch(**base, **{field: logp}))
+
+
+def test_registering_a_name_twice_fails():
+    def other(params, batch):
+        raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="'smd' is already registered"):
+        register_objective("smd", masked_forward=True, old_logp="rollout")(other)
+    with pytest.raises(ValueError, match="not a learner.objective choice"):
+        register_objective("ppo", masked_forward=False, old_logp="rollout")(other)
+    assert OBJECTIVE_REGISTRY["smd"].fn.__name__ == "smd_loss" and "ppo" not in OBJECTIVE_REGISTRY
+
+
+def test_objective_groups_live_in_the_registry_only():
+    """No module of the stages or the CLI lists objective names as a group (a tuple, list or set of two or
+    more): what an objective runs is its spec's (`objective_spec`), defined once in objectives.py."""
+    root = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in sorted([*(root / "stages").rglob("*.py"), *(root / "cli").rglob("*.py")]):
+        if path.name == "objectives.py" and path.parent.name == "learner":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2 and all(
+                    isinstance(e, ast.Constant) and e.value in OBJECTIVES for e in node.elts):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not bad, "objective names grouped outside the registry:\n" + "\n".join(bad)
 
 
 # -------------------------------------------------------------------------------------------- params
 def test_params_feed_objective_loss():
     params = LearnerParams(objective="tis", tis_level="sequence", clip_eps_high=0.28)
-    kw = objective_kwargs(params, temperature=1.0)
     total, _ = objective_loss(
-        params.objective,
-        advantages=T([1.0]),
-        mask=torch.ones(1, 2),
-        rollout_logp=torch.zeros(1, 2),
-        dense_logp=torch.zeros(1, 2),
-        **kw,
+        params,
+        ObjectiveBatch(advantages=T([1.0]), mask=torch.ones(1, 2), rollout_logp=torch.zeros(1, 2),
+                       dense_logp=torch.zeros(1, 2)),
     )
     assert total.item() == pytest.approx(-1.0)
 
@@ -576,8 +659,8 @@ def test_learner_params_defaults_and_unknown_key():
     assert (p.sparse_rl_is_cap, p.sparse_rl_token_ratio_low, p.sparse_rl_token_ratio_high) == (1.5, 0.5, 1.5)
     assert (p.sparse_rl_veto_threshold, p.sparse_rl_batch_normalize, p.sparse_rl_seq_ratio_max) == (1e-4, True, None)
     assert p.dual_clip_c == 3.0
-    assert objective_kwargs(p.model_copy(update={"objective": "sparse_rl"}))["loss_agg"] == "seq_mean_token_mean"
-    assert objective_kwargs(p.model_copy(update={"objective": "naive"}))["loss_agg"] == "token_mean"
+    assert loss_agg_for(p.model_copy(update={"objective": "sparse_rl"})) == "seq_mean_token_mean"
+    assert loss_agg_for(p.model_copy(update={"objective": "naive"})) == "token_mean"
     with pytest.raises(ValidationError):
         LearnerParams(kl_lamda=0.2)
 

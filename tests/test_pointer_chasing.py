@@ -11,6 +11,7 @@ from schemas import rewards
 from schemas.errors import SmdInputError
 from schemas.params import load_params
 from stages.common.model import build_tiny_tokenizer
+from stages.learner.objectives import objective_spec
 from stages.prepare.synthetic import ANSWER_CUE, POINTER_NODE_WORDS, count_tokens, filler_sentence, generate
 
 TASK = "pointer_chasing"
@@ -143,5 +144,5 @@ def test_comparison_spec_has_every_arm_the_issue_asks_for():
     selection = {(p.learner.objective, p.rollout.eviction.policy) for p in at_half}
     assert {("smd", "recent"), ("naive", "recent"), ("smd", "random"), ("naive", "random")} <= selection
     lambdas = {0.0 if p.learner.objective == "shadow" else p.learner.kl_lambda
-               for p in at_half if p.learner.objective in ("smd", "shadow") and p.rollout.eviction.policy == "snapkv"}
+               for p in at_half if objective_spec(p.learner.objective).masked_forward and p.rollout.eviction.policy == "snapkv"}
     assert lambdas == {0.0, 0.01, 0.1, 0.8}

@@ -1,8 +1,8 @@
 """`learner:` section: objective, optimisation and DeepSpeed.
 
-The objective fields map one to one onto the keyword arguments of
-`stages.learner.objectives.objective_loss` (see `objective_kwargs` there). The sampling temperature is not
-repeated here: the learner must score tokens at `rollout.temperature`, the distribution that sampled them.
+The objective fields are read by the objectives registered in `stages.learner.objectives` (each takes the
+validated `LearnerParams`): their defaults live here only. The sampling temperature is not repeated here: the
+learner must score tokens at `rollout.temperature`, the distribution that sampled them.
 """
 
 from __future__ import annotations

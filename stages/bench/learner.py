@@ -30,6 +30,7 @@ backward, so the smd flex step uses the block-sparse torch backward of `flex_bac
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -207,7 +208,7 @@ class _Learner:
 
         from schemas.params.learner import LearnerParams
         from stages.common.model import configure_precision
-        from stages.learner.objectives import objective_kwargs, token_logprobs
+        from stages.learner.objectives import token_logprobs
         from stages.learner.shadow_attention import response_logits
 
         if threads:
@@ -218,7 +219,7 @@ class _Learner:
         self.model.set_attn_implementation("sdpa")
         self.model.eval()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
-        self.kw = objective_kwargs(LearnerParams(), 1.0)
+        self.params = LearnerParams()  # the default objective's hyperparameters
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens or LearnerParams().logit_chunk_tokens
         cfg = self.model.config
@@ -235,9 +236,10 @@ class _Learner:
         (`labels`, response-only loss, logits of the response positions)."""
         import torch
 
+        from stages.bench.full_logits import full_logits_objective_loss
         from stages.common.model import attention_implementation
         from stages.learner.logprobs import chunked_token_scores, lm_head_of
-        from stages.learner.objectives import objective_loss, token_logprobs
+        from stages.learner.objectives import ObjectiveBatch, objective_loss, token_logprobs
         from stages.learner.shadow_attention import (
             response_hidden,
             response_hidden_with_teacher,
@@ -246,6 +248,7 @@ class _Learner:
         )
 
         model, b = self.model, self.batch
+        smd, dense = self.params, self.params.model_copy(update={"objective": "dense"})
         args = (b["ids"], b["evict_at"], b["prompt_lens"], b["resp_lens"])
         if mode == "fwd_bwd":
             keep = b["resp_lens"][0] + 1  # logits of the last prompt position and the response positions
@@ -259,12 +262,12 @@ class _Learner:
                 hidden, teacher, targets, valid = response_hidden_with_teacher(model, *args, mode[4:], self.block_size)
             scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, chunk_tokens=self.chunk_tokens,
                                           teacher_hidden=teacher)
+            batch = ObjectiveBatch(advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"])
             if mode == "dense":
-                loss, _ = objective_loss("dense", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
-                                         dense_logp=scores["logp"], **self.kw)
+                loss, _ = objective_loss(dense, dataclasses.replace(batch, dense_logp=scores["logp"]))
             else:
-                loss, _ = objective_loss("smd", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
-                                         masked_logp=scores["logp"], kl_per_token=scores["kl"], **self.kw)
+                loss, _ = objective_loss(smd, dataclasses.replace(batch, masked_logp=scores["logp"],
+                                                                  kl_per_token=scores["kl"]))
         else:
             if mode == "smd_flex_full":  # as `smdctl learn` did before chunking: teacher and policy share the prefill
                 sel, dsel, targets, valid = response_logits_with_teacher(model, *args, "flex", self.block_size)
@@ -276,12 +279,12 @@ class _Learner:
             else:  # dense_full
                 sel, targets, valid = response_logits(model, b["ids"], None, b["prompt_lens"], b["resp_lens"])
             logp = token_logprobs(sel, targets).masked_fill(~valid, 0.0)
+            batch = ObjectiveBatch(advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"])
             if mode == "dense_full":
-                loss, _ = objective_loss("dense", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
-                                         dense_logp=logp, **self.kw)
+                loss, _ = objective_loss(dense, dataclasses.replace(batch, dense_logp=logp))
             else:
-                loss, _ = objective_loss("smd", advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"],
-                                         masked_logp=logp, masked_logits=sel, dense_logits=dsel, **self.kw)
+                loss, _ = full_logits_objective_loss(smd, dataclasses.replace(batch, masked_logp=logp),
+                                                     masked_logits=sel, dense_logits=dsel)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

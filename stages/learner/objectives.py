@@ -1,4 +1,4 @@
-"""The learner's objective math: small pure torch functions.
+"""The learner's objective math: small pure torch functions, and one registered function per objective.
 
 Conventions (every function):
 - Per-token tensors are padded `[B, T]` over the response tokens; `mask` (bool, or float 0/1) marks the valid
@@ -8,8 +8,12 @@ Conventions (every function):
 - Losses are minimised. Everything that is a target (old/rollout/reference log-probs, advantages, importance
   weights, the dense teacher) is detached inside the function, so a caller that forgot `no_grad` cannot leak
   gradient into it.
+- No hyperparameter has a default here: the defaults live in `schemas.params.learner.LearnerParams` only.
 
-Objectives (docs/design.md section 7, each matched to its source), `objective_loss` composes them:
+Objectives (docs/design.md section 7, each matched to its source). Each is one function registered with
+`register_objective(name, ...)` (verl's `POLICY_LOSS_REGISTRY` pattern), taking the validated `LearnerParams`
+and an `ObjectiveBatch`, with an `ObjectiveSpec` of what the learner runs for it; `objective_loss(params,
+batch)` dispatches on `params.objective`:
 - smd:          pg(masked_logp vs rollout_logp) + kl_lambda * KL(sg[pi_dense] || pi_masked)
 - shadow:       pg(masked_logp vs rollout_logp)                     (no dense pass)
 - naive:        pg(dense_logp vs old_logp), old = the dense learner's log-probs before the first update (ratio 1
@@ -23,28 +27,34 @@ Objectives (docs/design.md section 7, each matched to its source), `objective_lo
                 pg(dense_logp vs old_logp) over the kept tokens of the kept sequences, each weighted by
                 min(pi_old / pi_rollout, 1.5) normalised to mean 1 over the mini-batch; per-sequence token mean.
 plus `ref_kl_coef * KL(pi || pi_ref)` when a reference is configured. Every policy term is dual-clipped
-(verl's clip_ratio_c = 3) where A < 0.
+(verl's clip_ratio_c = 3) where A < 0. Every objective returns its terms under the names the learner logs
+(`LOSS_TERMS`, the `pg/*` stats of `policy_loss`, `is_weight/mean`, `rejection/*`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from schemas.errors import SmdInputError
 from schemas.params.learner import LOSS_AGGS, OBJECTIVES, REF_KL_KINDS, TIS_LEVELS, LearnerParams
 
-# Objectives whose proximal old log-probs are the dense learner's before the first update (the parity pass).
-RECOMPUTED_OLD = ("naive", "tis", "sparse_rl")
-# Objectives that take the rollout's log-probs as the old policy.
-ROLLOUT_OLD = ("smd", "shadow", "naive_bypass", "dense")
-
 __all__ = [
     "OBJECTIVES",
     "LOSS_AGGS",
+    "LOSS_TERMS",
+    "ObjectiveBatch",
+    "ObjectiveSpec",
+    "OBJECTIVE_REGISTRY",
+    "register_objective",
+    "objective_spec",
+    "objective_loss",
     "token_logprobs",
     "aggregate",
     "group_advantages",
@@ -54,15 +64,17 @@ __all__ = [
     "reference_kl",
     "tis_weights",
     "sparse_rl_rejection",
-    "sparse_rl_weight_sums",
     "sparse_rl_rules",
-    "objective_loss",
+    "sparse_rl_weight_sums",
+    "rejection_fractions",
     "loss_agg_for",
-    "RECOMPUTED_OLD",
-    "objective_kwargs",
     "token_entropy",
     "zero_advantage_group_fraction",
 ]
+
+# The loss terms every objective returns (python floats), under the names the learner logs (learn/steps.json,
+# details.json): the policy term, smd's dense-teacher KL, the reference KL, and their weighted sum.
+LOSS_TERMS = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total")
 
 # exp() of a log-ratio beyond this overflows float32 soon after; verl clamps at the same value.
 _LOG_RATIO_CLAMP = 20.0
@@ -95,7 +107,7 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> 
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def aggregate(values: Tensor, mask: Tensor, loss_agg: str = "token_mean") -> Tensor:
+def aggregate(values: Tensor, mask: Tensor, loss_agg: str) -> Tensor:
     """Reduce per-token `values [B, T]` over the valid tokens (verl names).
 
     token_mean:           sum of valid values / number of valid tokens.
@@ -211,9 +223,9 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    loss_agg: str = "token_mean",
+    clip_eps_low: float,
+    clip_eps_high: float,
+    loss_agg: str,
     token_weights: Tensor | None = None,
     dual_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -222,8 +234,8 @@ def policy_loss(
     ratio_t = exp(logp_t - old_logp_t) (log-ratio clamped to +-20 against overflow);
     loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps_low, 1 + clip_eps_high) * A) * w_t,
     with A = advantages[b] broadcast over the sequence and w_t = token_weights (1 if None; detached),
-    reduced by `aggregate(loss_agg)`. Default clip is symmetric 0.2 (PPO/GRPO); DAPO's clip-higher sets
-    clip_eps_high=0.28. Where the clipped branch is active the token gets no gradient.
+    reduced by `aggregate(loss_agg)`. The learner's default clip is symmetric 0.2 (PPO/GRPO); DAPO's
+    clip-higher sets clip_eps_high=0.28. Where the clipped branch is active the token gets no gradient.
     Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl's `clip_ratio_c`, default 3):
     where A < 0, loss_t = min(loss_t, -dual_clip_c * A) before the weight, i.e. a token whose ratio exceeds c
     with a negative advantage contributes at most c * |A| and no gradient (verl's compute_policy_loss).
@@ -312,14 +324,14 @@ def dense_teacher_kl(
     mask: Tensor,
     *,
     temperature: float = 1.0,
-    loss_agg: str = "token_mean",
+    loss_agg: str,
 ) -> Tensor:
     """`dense_teacher_kl_per_token` reduced over the valid response tokens with `aggregate(loss_agg)`."""
     per_token = dense_teacher_kl_per_token(masked_logits, dense_logits, temperature)
     return aggregate(per_token, _valid(mask, per_token), loss_agg)
 
 
-def reference_kl_per_token(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+def reference_kl_per_token(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token estimator of KL(pi || pi_ref) on tokens sampled from pi (Schulman's k1/k2/k3), `[B, T]`.
 
     With d = ref_logp - logp: k1 = -d; k2 = d^2 / 2; k3 = exp(d) - d - 1 (>= 0, low variance). ref_logp is
@@ -336,7 +348,7 @@ def reference_kl_per_token(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> 
 
 
 def reference_kl(
-    logp: Tensor, ref_logp: Tensor, mask: Tensor, *, kind: str = "k3", loss_agg: str = "token_mean"
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, *, kind: str, loss_agg: str
 ) -> Tensor:
     """`reference_kl_per_token` reduced over the valid tokens with `aggregate(loss_agg)`."""
     per_token = reference_kl_per_token(logp, ref_logp, kind)
@@ -349,8 +361,8 @@ def tis_weights(
     rollout_logp: Tensor,
     mask: Tensor,
     *,
-    level: str = "token",
-    cap: float = 2.0,
+    level: str,
+    cap: float,
 ) -> Tensor:
     """Truncated importance weights `[B, T]`, detached; 0 at padded positions.
 
@@ -380,11 +392,11 @@ def sparse_rl_rejection(
     rollout_logp: Tensor,
     mask: Tensor,
     *,
-    cap: float = 1.5,
-    token_ratio_low: float = 0.5,
-    token_ratio_high: float = 1.5,
-    veto_threshold: float = 1e-4,
-    seq_ratio_max: float | None = None,
+    cap: float,
+    token_ratio_low: float,
+    token_ratio_high: float,
+    veto_threshold: float,
+    seq_ratio_max: float | None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Sparse-RL's sparsity-aware rejection and importance reweighting, before batch normalisation.
 
@@ -397,7 +409,7 @@ def sparse_rl_rejection(
         geometric-mean ratio exp(mean_t log xi_t) lies outside [1/seq_ratio_max, seq_ratio_max] is dropped;
       - weight: w_t = min(xi_t, cap) (cap 1.5) on the kept tokens, 0 elsewhere.
     The batch normalisation (weights / their mean over the kept tokens of the whole mini-batch) is the caller's
-    (`objective_loss`, with the mean from `sparse_rl_weight_sums` when the mini-batch is split).
+    (`sparse_rl_loss`, with the mean from `sparse_rl_weight_sums` when the mini-batch is split).
 
     Returns (keep [B, T] bool: the valid tokens that stay in the loss, weights [B, T] detached (0 where not
     kept), stats): rejection/seq_fraction = sequences with valid tokens but none kept / sequences with valid
@@ -433,191 +445,37 @@ def sparse_rl_rejection(
         keep &= d <= math.log(token_ratio_high)
         w = torch.exp(d.clamp(max=math.log(cap))).to(torch.float32)
         weights = torch.where(keep, w, torch.zeros_like(w))
-        has = valid.any(dim=-1)
-        n_seq, n_tok = int(has.sum()), int(valid.sum())
-        stats = {
-            "rejection/seq_fraction": float((has & ~keep.any(dim=-1)).sum()) / n_seq if n_seq else 0.0,
-            "rejection/token_fraction": float((valid & ~keep).sum()) / n_tok if n_tok else 0.0,
-        }
+        stats = rejection_fractions(valid.sum(dim=-1).cpu(), keep.sum(dim=-1).cpu())
     return keep, weights, stats
 
 
-def sparse_rl_weight_sums(
-    learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor, **rules: Any
-) -> tuple[Tensor, Tensor]:
-    """Per sequence: (number of kept tokens [B], sum of their truncated weights [B]) under `sparse_rl_rejection`
-    with `rules`. The mean weight of a mini-batch = sum of the weight sums / sum of the kept counts over its
+def rejection_fractions(tokens: Any, kept: Any) -> dict[str, float]:
+    """sparse_rl's rejected fractions from per-sequence counts (`tokens [B]` valid tokens, `kept [B]` those kept;
+    numpy arrays or host tensors): rejection/seq_fraction = sequences with valid tokens but none kept / sequences
+    with valid tokens; rejection/token_fraction = valid tokens not kept / valid tokens (0 when there is none)."""
+    tokens, kept = np.asarray(tokens, dtype=np.float64), np.asarray(kept, dtype=np.float64)
+    n_seq, n_tok = int((tokens > 0).sum()), int(tokens.sum())
+    return {"rejection/seq_fraction": float(((tokens > 0) & (kept == 0)).sum() / n_seq) if n_seq else 0.0,
+            "rejection/token_fraction": float(1.0 - kept.sum() / n_tok) if n_tok else 0.0}
+
+
+def sparse_rl_weight_sums(keep: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Per sequence: (number of kept tokens [B], sum of their truncated weights [B]) of `sparse_rl_rejection`'s
+    (keep, weights). The mean weight of a mini-batch = sum of the weight sums / sum of the kept counts over its
     rows: the learner computes it from the proximal log-probs before the first update, so that every
     micro-batch normalises by the whole mini-batch's mean (as the official code normalises over the batch)."""
-    keep, weights, _ = sparse_rl_rejection(learner_logp, rollout_logp, mask, **rules)
     return keep.sum(dim=-1), weights.double().sum(dim=-1)
 
 
-# ------------------------------------------------------------------------------------------ composition
-def _need(objective: str, **tensors: Tensor | None) -> None:
-    missing = [name for name, t in tensors.items() if t is None]
-    if missing:
-        raise SmdInputError(f"objective {objective!r} needs {', '.join(missing)}")
-
-
-def objective_loss(
-    objective: str,
-    *,
-    advantages: Tensor,
-    mask: Tensor,
-    rollout_logp: Tensor,
-    masked_logp: Tensor | None = None,
-    dense_logp: Tensor | None = None,
-    masked_logits: Tensor | None = None,
-    dense_logits: Tensor | None = None,
-    kl_per_token: Tensor | None = None,
-    old_logp: Tensor | None = None,
-    ref_logp: Tensor | None = None,
-    kl_lambda: float = 0.1,
-    temperature: float = 1.0,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    dual_clip_c: float | None = 3.0,
-    loss_agg: str = "token_mean",
-    ref_kl_coef: float = 0.0,
-    ref_kl_kind: str = "k3",
-    tis_level: str = "token",
-    tis_cap: float = 2.0,
-    sparse_rl_is_cap: float = 1.5,
-    sparse_rl_token_ratio_low: float = 0.5,
-    sparse_rl_token_ratio_high: float = 1.5,
-    sparse_rl_veto_threshold: float = 1e-4,
-    sparse_rl_seq_ratio_max: float | None = None,
-    sparse_rl_batch_normalize: bool = True,
-    sparse_rl_weight_mean: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """One objective of docs/design.md. Returns (total loss to backpropagate, terms for logging).
-
-    Inputs ([B] / [B, T] / [B, T, V]):
-      advantages     [B] group advantages (`group_advantages`), detached here.
-      mask           [B, T] valid response tokens.
-      rollout_logp   [B, T] log-probs the sparse rollout recorded (the behaviour policy).
-      masked_logp    [B, T] learner log-probs under the shadow mask (with grad) - smd, shadow.
-      dense_logp     [B, T] learner log-probs with the full context (with grad) - naive, naive_bypass, dense,
-                     tis, sparse_rl.
-      masked_logits, dense_logits [B, T, V] response-position logits (before temperature) - smd with
-                     kl_lambda > 0. The dense ones are detached here. For shadow they are optional and only
-                     logged.
-      kl_per_token   [B, T] KL(sg[pi_dense] || pi_masked) per response token, already computed (with gradient)
-                     from hidden states in token chunks (`stages.learner.logprobs.chunked_token_scores`): used in
-                     place of the two logits tensors, which are then not needed.
-      old_logp       [B, T] proximal policy for the ratio. Default: rollout_logp for smd/shadow (the shadow
-                     policy *is* the rollout policy) and naive_bypass/dense (the rollout's log-probs taken as
-                     the old policy); dense_logp.detach() for naive/tis/sparse_rl (the dense learner's own
-                     log-probs before the update). The learner passes the parity pass's log-probs, so the ratio
-                     is exactly 1 at the first step and the reference across several updates per batch.
-      ref_logp       [B, T] reference-policy log-probs, needed when ref_kl_coef > 0.
-    sparse_rl: `sparse_rl_rejection` with the sparse_rl_* rules, then (sparse_rl_batch_normalize) the weights
-      divided by `sparse_rl_weight_mean`, the mean weight over the kept tokens of the whole mini-batch (None:
-      computed on this batch, i.e. the batch is the mini-batch). The loss aggregates over the kept tokens only;
-      pass loss_agg="seq_mean_token_mean" for the official per-sequence token mean (`loss_agg_for` does).
-    Loss: total = pg_loss + kl_lambda * kl_dense (smd only) + ref_kl_coef * kl_ref.
-    terms: pg_loss, kl_dense, kl_ref, total (python floats) plus pg/* stats, and for tis/sparse_rl
-    is_weight/mean, rejection/seq_fraction and rejection/token_fraction.
-    """
-    _check_choice("objective", objective, OBJECTIVES)
-    if not kl_lambda >= 0:
-        raise SmdInputError(f"kl_lambda must be >= 0, got {kl_lambda}")
-    if not ref_kl_coef >= 0:
-        raise SmdInputError(f"ref_kl_coef must be >= 0, got {ref_kl_coef}")
-    valid = _valid(mask, rollout_logp)
-
-    token_weights: Tensor | None = None
-    extra: dict[str, float] = {}
-    if objective in ("smd", "shadow"):
-        _need(objective, masked_logp=masked_logp)
-        logp = masked_logp
-    else:
-        _need(objective, dense_logp=dense_logp)
-        logp = dense_logp
-    assert logp is not None
-    _same_shape("learner logp", logp, rollout_logp, "rollout_logp")
-    if old_logp is not None:
-        old = old_logp
-    else:
-        old = rollout_logp if objective in ROLLOUT_OLD else logp.detach()
-    if objective == "tis":
-        token_weights = tis_weights(old, rollout_logp, valid, level=tis_level, cap=tis_cap)
-        extra["rejection/seq_fraction"] = extra["rejection/token_fraction"] = 0.0
-    elif objective == "sparse_rl":
-        keep, token_weights, rejection = sparse_rl_rejection(
-            old,
-            rollout_logp,
-            valid,
-            cap=sparse_rl_is_cap,
-            token_ratio_low=sparse_rl_token_ratio_low,
-            token_ratio_high=sparse_rl_token_ratio_high,
-            veto_threshold=sparse_rl_veto_threshold,
-            seq_ratio_max=sparse_rl_seq_ratio_max,
-        )
-        valid = keep
-        if sparse_rl_batch_normalize:
-            mean = sparse_rl_weight_mean
-            if mean is None:
-                mean = float(token_weights[keep].double().mean()) if bool(keep.any()) else 1.0
-            if not mean > 0:
-                raise SmdInputError(f"sparse_rl_weight_mean must be > 0, got {mean}")
-            token_weights = token_weights / mean
-        extra.update(rejection)
-    if token_weights is not None:
-        extra["is_weight/mean"] = float(token_weights[valid].mean()) if bool(valid.any()) else 0.0
-
-    pg, stats = policy_loss(
-        logp,
-        old,
-        advantages,
-        valid,
-        clip_eps_low=clip_eps_low,
-        clip_eps_high=clip_eps_high,
-        loss_agg=loss_agg,
-        token_weights=token_weights,
-        dual_clip_c=dual_clip_c,
-    )
-    total = pg
-
-    kl_dense_value = 0.0
-    if objective == "smd" and kl_lambda > 0:
-        if kl_per_token is not None:
-            _same_shape("kl_per_token", kl_per_token, rollout_logp, "rollout_logp")
-            kl_dense = aggregate(kl_per_token, valid, loss_agg)
-        else:
-            _need(objective, masked_logits=masked_logits, dense_logits=dense_logits)
-            kl_dense = dense_teacher_kl(
-                masked_logits, dense_logits, valid, temperature=temperature, loss_agg=loss_agg
-            )
-        total = total + kl_lambda * kl_dense
-        kl_dense_value = float(kl_dense.detach())
-    elif objective in ("smd", "shadow") and kl_per_token is not None:
-        kl_dense_value = float(aggregate(kl_per_token.detach(), valid, loss_agg))  # logged only
-    elif objective in ("smd", "shadow") and masked_logits is not None and dense_logits is not None:
-        with torch.no_grad():  # logged only
-            kl_dense_value = float(
-                dense_teacher_kl(
-                    masked_logits, dense_logits, valid, temperature=temperature, loss_agg=loss_agg
-                )
-            )
-
-    kl_ref_value = 0.0
-    if ref_kl_coef > 0:
-        _need(f"{objective} with ref_kl_coef > 0", ref_logp=ref_logp)
-        kl_ref = reference_kl(logp, ref_logp, valid, kind=ref_kl_kind, loss_agg=loss_agg)
-        total = total + ref_kl_coef * kl_ref
-        kl_ref_value = float(kl_ref.detach())
-
-    terms = {
-        "pg_loss": float(pg.detach()),
-        "kl_dense": kl_dense_value,
-        "kl_ref": kl_ref_value,
-        "total": float(total.detach()),
-        **stats,
-        **extra,
+def sparse_rl_rules(params: LearnerParams) -> dict[str, Any]:
+    """`sparse_rl_rejection`'s keyword arguments from the `learner:` section (the one place they are mapped)."""
+    return {
+        "cap": params.sparse_rl_is_cap,
+        "token_ratio_low": params.sparse_rl_token_ratio_low,
+        "token_ratio_high": params.sparse_rl_token_ratio_high,
+        "veto_threshold": params.sparse_rl_veto_threshold,
+        "seq_ratio_max": params.sparse_rl_seq_ratio_max,
     }
-    return total, terms
 
 
 def loss_agg_for(params: LearnerParams) -> str:
@@ -628,34 +486,247 @@ def loss_agg_for(params: LearnerParams) -> str:
     return params.loss_agg
 
 
-def sparse_rl_rules(params: LearnerParams) -> dict[str, Any]:
-    """`sparse_rl_rejection`'s keyword arguments from the `learner:` section."""
-    return {
-        "cap": params.sparse_rl_is_cap,
-        "token_ratio_low": params.sparse_rl_token_ratio_low,
-        "token_ratio_high": params.sparse_rl_token_ratio_high,
-        "veto_threshold": params.sparse_rl_veto_threshold,
-        "seq_ratio_max": params.sparse_rl_seq_ratio_max,
-    }
+# ---------------------------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class ObjectiveBatch:
+    """The tensors of one (micro-)batch an objective reads (`[B]` / `[B, T]`, see the conventions above).
+
+      advantages     [B] group advantages (`group_advantages`), detached here.
+      mask           [B, T] valid response tokens.
+      rollout_logp   [B, T] log-probs the sparse rollout recorded (the behaviour policy).
+      masked_logp    [B, T] learner log-probs under the shadow mask (with grad): objectives with masked_forward.
+      dense_logp     [B, T] learner log-probs with the full context (with grad): the others.
+      kl_per_token   [B, T] KL(sg[pi_dense] || pi_masked) per response token (with gradient), computed from the
+                     hidden states in token chunks (`stages.learner.logprobs.chunked_token_scores`): smd's teacher
+                     term (needed when kl_lambda > 0); for smd at kl_lambda 0 and shadow only logged.
+      old_logp       [B, T] proximal policy for the ratio; None = the spec's `old_logp`: the rollout's log-probs,
+                     or the policy log-probs detached ("recomputed": ratio 1). The learner passes the parity
+                     pass's log-probs for "recomputed", the reference across several updates per batch.
+      ref_logp       [B, T] reference-policy log-probs, needed when ref_kl_coef > 0.
+      sparse_rl_rejection  (keep [B, T] bool, truncated weights [B, T]) fixed before the first update (the learner's
+                     `RowWeights`); None = `sparse_rl_rejection` of old_logp here (its rejection/* then in terms).
+      sparse_rl_weight_mean  sparse_rl's batch-normalisation constant, the mean weight over the kept tokens of the
+                     whole mini-batch; None = this batch's (the batch is the mini-batch).
+    """
+
+    advantages: Tensor
+    mask: Tensor
+    rollout_logp: Tensor
+    masked_logp: Tensor | None = None
+    dense_logp: Tensor | None = None
+    kl_per_token: Tensor | None = None
+    old_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    sparse_rl_rejection: tuple[Tensor, Tensor] | None = None
+    sparse_rl_weight_mean: float | None = None
 
 
-def objective_kwargs(params: LearnerParams, temperature: float = 1.0) -> dict[str, Any]:
-    """The hyperparameters of `objective_loss` from the `learner:` section (temperature from `rollout:`)."""
-    return {
-        "kl_lambda": params.kl_lambda,
-        "temperature": temperature,
-        "clip_eps_low": params.clip_eps_low,
-        "clip_eps_high": params.clip_eps_high,
-        "dual_clip_c": params.dual_clip_c,
-        "loss_agg": loss_agg_for(params),
-        "ref_kl_coef": params.ref_kl_coef,
-        "ref_kl_kind": params.ref_kl_kind,
-        "tis_level": params.tis_level,
-        "tis_cap": params.tis_cap,
-        "sparse_rl_is_cap": params.sparse_rl_is_cap,
-        "sparse_rl_token_ratio_low": params.sparse_rl_token_ratio_low,
-        "sparse_rl_token_ratio_high": params.sparse_rl_token_ratio_high,
-        "sparse_rl_veto_threshold": params.sparse_rl_veto_threshold,
-        "sparse_rl_seq_ratio_max": params.sparse_rl_seq_ratio_max,
-        "sparse_rl_batch_normalize": params.sparse_rl_batch_normalize,
-    }
+ObjectiveFn = Callable[[LearnerParams, ObjectiveBatch], tuple[Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """What the learner runs for an objective, registered with its function (the one table of these facts).
+
+    masked_forward: the policy log-probs come from the shadow-masked forward (the compacted mask store is read,
+                    the parity gate applies); else from the dense forward.
+    old_logp:       the proximal old policy: "rollout" = the rollout's log-probs; "recomputed" = the learner's own
+                    before the first update (the parity pass's log-probs).
+    row_weights:    token weights of the policy term: "none"; "tis" = truncated importance weights per
+                    micro-batch; "sparse_rl" = rejection and weights fixed per row before the first update (the
+                    learner's `RowWeights`: they also set the micro-batch shares and the normalisation).
+    dense_teacher:  adds kl_lambda * KL(sg[pi_dense] || pi_masked): with kl_lambda > 0 the learner runs the dense
+                    teacher beside the masked policy.
+    """
+
+    name: str
+    fn: ObjectiveFn
+    masked_forward: bool
+    old_logp: Literal["rollout", "recomputed"]
+    row_weights: Literal["none", "tis", "sparse_rl"] = "none"
+    dense_teacher: bool = False
+
+
+OBJECTIVE_REGISTRY: dict[str, ObjectiveSpec] = {}
+
+
+def register_objective(
+    name: str,
+    *,
+    masked_forward: bool,
+    old_logp: Literal["rollout", "recomputed"],
+    row_weights: Literal["none", "tis", "sparse_rl"] = "none",
+    dense_teacher: bool = False,
+) -> Callable[[ObjectiveFn], ObjectiveFn]:
+    """Decorator: register `fn(params, batch) -> (loss, terms)` as objective `name` (one of the `learner.objective`
+    choices) with its `ObjectiveSpec`. A name registered twice raises ValueError."""
+
+    def decorator(fn: ObjectiveFn) -> ObjectiveFn:
+        if name in OBJECTIVE_REGISTRY:
+            raise ValueError(f"objective {name!r} is already registered ({OBJECTIVE_REGISTRY[name].fn.__name__})")
+        if name not in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is not a learner.objective choice ({', '.join(OBJECTIVES)})")
+        OBJECTIVE_REGISTRY[name] = ObjectiveSpec(name=name, fn=fn, masked_forward=masked_forward, old_logp=old_logp,
+                                                 row_weights=row_weights, dense_teacher=dense_teacher)
+        return fn
+
+    return decorator
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    """The registered spec of objective `name`; SmdInputError for an unknown one."""
+    _check_choice("objective", name, tuple(OBJECTIVE_REGISTRY))
+    return OBJECTIVE_REGISTRY[name]
+
+
+def objective_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """The objective `params.objective` of docs/design.md on `batch`. Returns (total loss to backpropagate, terms
+    for logging: `LOSS_TERMS`, the pg/* stats, and is_weight/mean for tis/sparse_rl, rejection/* for sparse_rl
+    when it computed the rejection itself). total = loss/pg + kl_lambda * loss/kl_dense (smd only) +
+    ref_kl_coef * loss/kl_ref. A params object built in code (`model_copy`) skips pydantic, so the two weights
+    whose sign would silently flip the objective are checked here too."""
+    spec = objective_spec(params.objective)
+    if not params.kl_lambda >= 0:
+        raise SmdInputError(f"kl_lambda must be >= 0, got {params.kl_lambda}")
+    if not params.ref_kl_coef >= 0:
+        raise SmdInputError(f"ref_kl_coef must be >= 0, got {params.ref_kl_coef}")
+    return spec.fn(params, batch)
+
+
+# ------------------------------------------------------------------------------- pieces of the objectives
+def _need(objective: str, **tensors: Tensor | None) -> None:
+    missing = [name for name, t in tensors.items() if t is None]
+    if missing:
+        raise SmdInputError(f"objective {objective!r} needs {', '.join(missing)}")
+
+
+def _policy_inputs(name: str, batch: ObjectiveBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """(policy log-probs, proximal old log-probs, valid mask) of `batch` for objective `name`, per its spec."""
+    spec = OBJECTIVE_REGISTRY[name]
+    valid = _valid(batch.mask, batch.rollout_logp)
+    field = "masked_logp" if spec.masked_forward else "dense_logp"
+    logp = getattr(batch, field)
+    _need(name, **{field: logp})
+    _same_shape("learner logp", logp, batch.rollout_logp, "rollout_logp")
+    if batch.old_logp is not None:
+        old = batch.old_logp
+    else:
+        old = batch.rollout_logp if spec.old_logp == "rollout" else logp.detach()
+    return logp, old, valid
+
+
+def _clipped_pg(params: LearnerParams, logp: Tensor, old: Tensor, batch: ObjectiveBatch, valid: Tensor,
+                token_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    return policy_loss(logp, old, batch.advantages, valid, clip_eps_low=params.clip_eps_low,
+                       clip_eps_high=params.clip_eps_high, loss_agg=loss_agg_for(params),
+                       token_weights=token_weights, dual_clip_c=params.dual_clip_c)
+
+
+def _teacher_kl(name: str, batch: ObjectiveBatch, valid: Tensor, loss_agg: str) -> Tensor:
+    _need(name, kl_per_token=batch.kl_per_token)
+    _same_shape("kl_per_token", batch.kl_per_token, batch.rollout_logp, "rollout_logp")
+    return aggregate(batch.kl_per_token, valid, loss_agg)
+
+
+def _logged_teacher_kl(batch: ObjectiveBatch, valid: Tensor, loss_agg: str) -> float:
+    """The dense-teacher KL when given, logged only (no gradient); 0 without it."""
+    if batch.kl_per_token is None:
+        return 0.0
+    return float(aggregate(batch.kl_per_token.detach(), valid, loss_agg))
+
+
+def _finish(name: str, params: LearnerParams, batch: ObjectiveBatch, logp: Tensor, valid: Tensor, pg: Tensor,
+            total: Tensor, stats: dict[str, float], kl_dense: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """Add the reference KL (ref_kl_coef > 0) to `total`; the terms under their logged names."""
+    kl_ref_value = 0.0
+    if params.ref_kl_coef > 0:
+        _need(f"{name} with ref_kl_coef > 0", ref_logp=batch.ref_logp)
+        kl_ref = reference_kl(logp, batch.ref_logp, valid, kind=params.ref_kl_kind, loss_agg=loss_agg_for(params))
+        total = total + params.ref_kl_coef * kl_ref
+        kl_ref_value = float(kl_ref.detach())
+    values = (float(pg.detach()), kl_dense, kl_ref_value, float(total.detach()))
+    return total, {**dict(zip(LOSS_TERMS, values)), **stats}
+
+
+def _weighted(name: str, params: LearnerParams, batch: ObjectiveBatch, logp: Tensor, old: Tensor, valid: Tensor,
+              token_weights: Tensor, extra: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+    """The dense learner's policy term with importance weights `token_weights` over `valid` (+ is_weight/mean)."""
+    mean_w = float(token_weights[valid].mean()) if bool(valid.any()) else 0.0
+    pg, stats = _clipped_pg(params, logp, old, batch, valid, token_weights)
+    return _finish(name, params, batch, logp, valid, pg, pg, {**stats, **extra, "is_weight/mean": mean_w})
+
+
+# ------------------------------------------------------------------------------------------- objectives
+@register_objective("smd", masked_forward=True, old_logp="rollout", dense_teacher=True)
+def smd_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """GRPO on the shadow-masked policy (old = the rollout) + kl_lambda * KL(sg[pi_dense] || pi_masked)."""
+    logp, old, valid = _policy_inputs("smd", batch)
+    pg, stats = _clipped_pg(params, logp, old, batch, valid)
+    agg = loss_agg_for(params)
+    if params.kl_lambda > 0:
+        kl = _teacher_kl("smd", batch, valid, agg)
+        return _finish("smd", params, batch, logp, valid, pg, pg + params.kl_lambda * kl, stats, float(kl.detach()))
+    return _finish("smd", params, batch, logp, valid, pg, pg, stats, _logged_teacher_kl(batch, valid, agg))
+
+
+@register_objective("shadow", masked_forward=True, old_logp="rollout")
+def shadow_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """smd without the teacher term (kl_lambda ignored; the teacher KL is logged when given)."""
+    logp, old, valid = _policy_inputs("shadow", batch)
+    pg, stats = _clipped_pg(params, logp, old, batch, valid)
+    return _finish("shadow", params, batch, logp, valid, pg, pg, stats,
+                   _logged_teacher_kl(batch, valid, loss_agg_for(params)))
+
+
+def _dense_pg(name: str, params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    logp, old, valid = _policy_inputs(name, batch)
+    pg, stats = _clipped_pg(params, logp, old, batch, valid)
+    return _finish(name, params, batch, logp, valid, pg, pg, stats)
+
+
+@register_objective("naive", masked_forward=False, old_logp="recomputed")
+def naive_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """GRPO on the dense learner, old = its own log-probs before the update; the rollout mismatch ignored."""
+    return _dense_pg("naive", params, batch)
+
+
+@register_objective("naive_bypass", masked_forward=False, old_logp="rollout")
+def naive_bypass_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """GRPO on the dense learner, old = the sparse rollout's log-probs (verl's bypass of the recomputation)."""
+    return _dense_pg("naive_bypass", params, batch)
+
+
+@register_objective("dense", masked_forward=False, old_logp="rollout")
+def dense_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """naive_bypass's rule, named for dense rollouts (the rollout's and the learner's log-probs coincide)."""
+    return _dense_pg("dense", params, batch)
+
+
+@register_objective("tis", masked_forward=False, old_logp="recomputed", row_weights="tis")
+def tis_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """The dense learner with verl's decoupled truncated importance weights min(pi_old / pi_rollout, tis_cap)."""
+    logp, old, valid = _policy_inputs("tis", batch)
+    weights = tis_weights(old, batch.rollout_logp, valid, level=params.tis_level, cap=params.tis_cap)
+    return _weighted("tis", params, batch, logp, old, valid, weights, {})
+
+
+@register_objective("sparse_rl", masked_forward=False, old_logp="recomputed", row_weights="sparse_rl")
+def sparse_rl_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """Sparse-RL: the dense learner over the kept tokens (`sparse_rl_rejection` of old vs rollout, or the batch's
+    fixed one), weighted by the truncated ratios divided by their mean over the mini-batch's kept tokens
+    (sparse_rl_batch_normalize); `loss_agg_for` (the official per-sequence token mean by default)."""
+    logp, old, valid = _policy_inputs("sparse_rl", batch)
+    extra: dict[str, float] = {}
+    if batch.sparse_rl_rejection is not None:
+        keep, weights = batch.sparse_rl_rejection
+        _same_shape("sparse_rl keep", keep, logp, "logp")
+    else:
+        keep, weights, extra = sparse_rl_rejection(old, batch.rollout_logp, valid, **sparse_rl_rules(params))
+    if params.sparse_rl_batch_normalize:
+        mean = batch.sparse_rl_weight_mean
+        if mean is None:
+            mean = float(weights[keep].double().mean()) if bool(keep.any()) else 1.0
+        if not mean > 0:
+            raise SmdInputError(f"sparse_rl_weight_mean must be > 0, got {mean}")
+        weights = weights / mean
+    return _weighted("sparse_rl", params, batch, logp, old, keep, weights, extra)

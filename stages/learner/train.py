@@ -15,8 +15,8 @@ Flow of `run_learner(...)`, one named step each:
      with gradient (smd, shadow) or the dense one (naive, naive_bypass, dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
      prompt, prefilled densely) are the same for both and run once (`response_hidden_with_teacher`; log-probs, entropy and the teacher KL from the final hidden states in token chunks, `chunked_token_scores`);
-     `objective_loss`. Each micro-batch loss is weighted by its share of the mini-batch's aggregation
-     denominator (valid kept tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
+     `objective_loss` (the objective registered under learner.objective). Each micro-batch loss is weighted
+     by its share of the mini-batch's aggregation denominator (valid kept tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
      gradient over micro-batches and processes equals the gradient of the objective on the whole mini-batch.
      Per step: loss terms, clip fraction, approx KL, entropy, zero-advantage groups, grad norm, mismatch.
   4. `write_outputs`: atomically write `out_dir` (Hugging Face policy + tokenizer + trainer_state/) and
@@ -68,10 +68,14 @@ from stages.learner.deepspeed_runtime import (
 from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
 from stages.learner.mismatch import check_finite, mismatch_metrics
 from stages.learner.objectives import (
-    RECOMPUTED_OLD,
+    LOSS_TERMS,
+    ObjectiveBatch,
+    ObjectiveSpec,
     loss_agg_for,
-    objective_kwargs,
     objective_loss,
+    objective_spec,
+    rejection_fractions,
+    sparse_rl_rejection,
     sparse_rl_rules,
     sparse_rl_weight_sums,
     zero_advantage_group_fraction,
@@ -82,8 +86,6 @@ from stages.learner.shadow_attention import (
     response_hidden,
     response_hidden_with_teacher,
 )
-
-MASKED_OBJECTIVES = ("smd", "shadow")
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -196,19 +198,26 @@ class RowWeights:
     """Per row of the batch, fixed before the first update from the proximal (parity-pass) log-probs:
     `tokens` its valid tokens, `kept` those that stay in the loss (sparse_rl's rejection; = tokens for every
     other objective), `weight_sum` the sum of sparse_rl's truncated weights over the kept ones (0 otherwise),
-    `denom` its share of `aggregate(loss_agg)`'s denominator (kept tokens, or 1 per sequence with any)."""
+    `denom` its share of `aggregate(loss_agg)`'s denominator (kept tokens, or 1 per sequence with any);
+    for sparse_rl `keep` / `weights` the rejection itself per row (bool / float32 [R_row]), which the objective
+    uses as it is (computed once, here)."""
 
     tokens: np.ndarray
     kept: np.ndarray
     weight_sum: np.ndarray
     denom: np.ndarray
+    keep: dict[int, np.ndarray] | None = None
+    weights: dict[int, np.ndarray] | None = None
 
     def rejection(self, rows: list[int] | np.ndarray) -> dict[str, float]:
         """sparse_rl's rejected fractions over `rows`: sequences with tokens but none kept, and tokens."""
-        tokens, kept = self.tokens[rows], self.kept[rows]
-        n_seq, n_tok = int((tokens > 0).sum()), int(tokens.sum())
-        return {"rejection/seq_fraction": float(((tokens > 0) & (kept == 0)).sum() / n_seq) if n_seq else 0.0,
-                "rejection/token_fraction": float(1.0 - kept.sum() / n_tok) if n_tok else 0.0}
+        return rejection_fractions(self.tokens[rows], self.kept[rows])
+
+    def rejection_of(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """sparse_rl's (keep, truncated weights) of the micro-batch's rows, padded as `mb`; None otherwise."""
+        if self.keep is None or self.weights is None:
+            return None
+        return _rows_tensor(mb.rows, self.keep, mb, torch.bool), _rows_tensor(mb.rows, self.weights, mb)
 
     def weight_mean(self, rows: list[int] | np.ndarray) -> float | None:
         """The mean sparse_rl weight over the kept tokens of the mini-batch `rows` (None when none is kept)."""
@@ -217,21 +226,27 @@ class RowWeights:
 
 
 def row_weights(data: LearnerData, cfg: LearnerParams, old: dict[int, np.ndarray]) -> RowWeights:
-    """`RowWeights` of the batch; sparse_rl's rejection computed from the proximal log-probs as the loss does."""
+    """`RowWeights` of the batch; sparse_rl's rejection computed once, from the proximal log-probs, per row."""
     n_rows = len(data)
     tokens = np.array([len(data.response_ids[r]) for r in range(n_rows)], dtype=np.float64)
     kept, weight_sum = tokens.copy(), np.zeros(n_rows, dtype=np.float64)
-    if cfg.objective == "sparse_rl":
+    keep: dict[int, np.ndarray] | None = None
+    weights: dict[int, np.ndarray] | None = None
+    if objective_spec(cfg.objective).row_weights == "sparse_rl":
         rules = sparse_rl_rules(cfg)
+        keep, weights = {}, {}
         for r in range(n_rows):
             n = int(tokens[r])
+            keep[r], weights[r] = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.float32)
             if n:
-                k, w = sparse_rl_weight_sums(torch.from_numpy(old[r]).unsqueeze(0),
-                                             torch.from_numpy(data.rollout_logprobs[r]).unsqueeze(0),
-                                             torch.ones(1, n, dtype=torch.bool, device="cpu"), **rules)
-                kept[r], weight_sum[r] = float(k[0]), float(w[0])
+                k, w, _ = sparse_rl_rejection(torch.from_numpy(old[r]).unsqueeze(0),
+                                              torch.from_numpy(data.rollout_logprobs[r]).unsqueeze(0),
+                                              torch.ones(1, n, dtype=torch.bool, device="cpu"), **rules)
+                keep[r], weights[r] = k[0].numpy().copy(), w[0].numpy().copy()
+                count, total = sparse_rl_weight_sums(k, w)
+                kept[r], weight_sum[r] = float(count[0]), float(total[0])
     denom = kept if loss_agg_for(cfg) == "token_mean" else (kept > 0).astype(np.float64)
-    return RowWeights(tokens=tokens, kept=kept, weight_sum=weight_sum, denom=denom)
+    return RowWeights(tokens=tokens, kept=kept, weight_sum=weight_sum, denom=denom, keep=keep, weights=weights)
 
 
 # ------------------------------------------------------------------------------------------ collectives
@@ -253,8 +268,7 @@ def _gather_dict(local: dict[int, np.ndarray], ctx: DistContext) -> dict[int, np
 class StepStats:
     """Per-step accumulation of loss terms (weighted by the micro-batch's share) and per-row log-probs."""
 
-    SUMMED = ("pg_loss", "kl_dense", "kl_ref", "total", "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean",
-              "pg/approx_kl", "is_weight/mean")
+    SUMMED = (*LOSS_TERMS, "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "is_weight/mean")
 
     def __init__(self) -> None:
         self.weighted: dict[str, float] = {}
@@ -302,10 +316,7 @@ class StepStats:
         step_rewards = torch.from_numpy(data.rewards[rows])
         in_groups = np.isin(data.groups, data.groups[rows])
         out = {
-            "loss/pg": weighted.get("pg_loss", 0.0),
-            "loss/kl_dense": weighted.get("kl_dense", 0.0),
-            "loss/kl_ref": weighted.get("kl_ref", 0.0),
-            "loss/total": weighted.get("total", 0.0),
+            **{key: weighted.get(key, 0.0) for key in LOSS_TERMS},
             "pg/clipfrac": weighted.get("pg/clipfrac", 0.0),
             "pg/dual_clipfrac": weighted.get("pg/dual_clipfrac", 0.0),
             "pg/ratio_mean": weighted.get("pg/ratio_mean", 1.0),
@@ -355,12 +366,16 @@ class LearnerRun:
     say: Callable[[str], None] = lambda msg: None
 
     @property
+    def spec(self) -> ObjectiveSpec:
+        return objective_spec(self.cfg.objective)
+
+    @property
     def masked(self) -> bool:
-        return self.cfg.objective in MASKED_OBJECTIVES
+        return self.spec.masked_forward
 
     @property
     def teacher(self) -> bool:
-        return self.cfg.objective == "smd" and self.cfg.kl_lambda > 0
+        return self.spec.dense_teacher and self.cfg.kl_lambda > 0
 
     @property
     def module(self):
@@ -371,7 +386,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
           masks_path: str | Path | None, log: Callable[[str], None] | None) -> LearnerRun:
     """Read and cross-check the inputs, join the process group, build the DeepSpeed engine, resume its state."""
     cfg = validated(params.learner)
-    masked = cfg.objective in MASKED_OBJECTIVES
+    masked = objective_spec(cfg.objective).masked_forward
     seed = cfg.seed if cfg.seed is not None else params.seed
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -441,12 +456,12 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
 
 
 def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, np.ndarray],
-               ref: dict[int, np.ndarray] | None, weight_mean: float | None = None) -> tuple[dict[str, float], MicroBatch, torch.Tensor, torch.Tensor | None,
-                                                          torch.Tensor]:
+               ref: dict[int, np.ndarray] | None, weights: RowWeights, weight_mean: float | None = None,
+               ) -> tuple[dict[str, float], MicroBatch, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward (masked and/or dense as the objective needs), objective, backward of one micro-batch scaled by
-    `weight` (its share of the mini-batch's aggregation denominator; `weight_mean`: sparse_rl's normalisation
-    constant over the whole mini-batch). Returns (loss terms, micro-batch, policy
-    log-probs, dense-teacher log-probs or None, per-token entropy)."""
+    `weight` (its share of the mini-batch's aggregation denominator; `weights`: the rows' fixed rejection,
+    `weight_mean`: sparse_rl's normalisation constant over the whole mini-batch). Returns (loss terms,
+    micro-batch, policy log-probs, dense-teacher log-probs or None, per-token entropy)."""
     cfg, masked, temperature, module = run.cfg, run.masked, run.temperature, run.module
     backend = cfg.attention_backend
     # (with the teacher, block masks are built for the shared-prefix split inside the forward)
@@ -461,14 +476,14 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
         else:
             scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
     logp, dense_logp = scores["logp"], scores.get("teacher_logp")
-    old_t = _rows_tensor(rows, old, mb) if cfg.objective in RECOMPUTED_OLD else None
-    ref_t = _rows_tensor(rows, ref, mb) if ref is not None else None
-    loss, terms = objective_loss(
-        cfg.objective, advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
-        masked_logp=logp if masked else None, dense_logp=None if masked else logp,
-        kl_per_token=scores.get("kl"), old_logp=old_t, ref_logp=ref_t, sparse_rl_weight_mean=weight_mean,
-        **objective_kwargs(cfg, temperature),
+    batch = ObjectiveBatch(
+        advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
+        masked_logp=logp if masked else None, dense_logp=None if masked else logp, kl_per_token=scores.get("kl"),
+        old_logp=_rows_tensor(rows, old, mb) if run.spec.old_logp == "recomputed" else None,
+        ref_logp=_rows_tensor(rows, ref, mb) if ref is not None else None,
+        sparse_rl_rejection=weights.rejection_of(mb), sparse_rl_weight_mean=weight_mean,
     )
+    loss, terms = objective_loss(cfg, batch)
     run.engine.backward(loss * (weight * run.ctx.world), scale_wrt_gas=False)
     run.engine.step()
     return terms, mb, logp, dense_logp, scores["entropy"]
@@ -488,10 +503,10 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
     for group in run.engine.optimizer.param_groups:
         group["lr"] = lr
     stats = StepStats()
-    weight_mean = weights.weight_mean(step.rows) if run.cfg.objective == "sparse_rl" else None
+    weight_mean = weights.weight_mean(step.rows) if run.spec.row_weights == "sparse_rl" else None
     for rows, real in step.micro:
         weight = float(denom[rows].sum()) / total if real else 0.0
-        terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weight_mean)
+        terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weights, weight_mean)
         if real:
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
     run.global_step += 1
@@ -565,9 +580,10 @@ def run_learner(
     }
 
 
-def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch) -> torch.Tensor:
-    # built on the host, one copy to the micro-batch's device
-    out = torch.zeros(mb.rollout_logp.shape, dtype=mb.rollout_logp.dtype, device="cpu")
+def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    # padded as the micro-batch (dtype: rollout_logp's by default); built on the host, one copy to its device
+    out = torch.zeros(mb.rollout_logp.shape, dtype=dtype or mb.rollout_logp.dtype, device="cpu")
     for b, r in enumerate(rows):
         out[b, : mb.resp_lens[b]] = torch.from_numpy(values[r]).to(out.dtype)
     return out.to(mb.rollout_logp.device)
@@ -612,8 +628,8 @@ def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], weig
     }
     if ctx.device.type == "cuda":
         out["learner/peak_device_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-    keys = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total", "pg/clipfrac", "pg/dual_clipfrac",
-            "pg/ratio_mean", "pg/approx_kl", "grad_norm", "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
+    keys = (*LOSS_TERMS, "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "grad_norm",
+            "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
     for key in keys:
         values = [s[key] for s in series if key in s and math.isfinite(s[key])]
         if values:
