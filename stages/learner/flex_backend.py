@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from stages.common.compile_cache import key_compile_caches_to_cpu_isa
+
 DEFAULT_BLOCK_SIZE = 128
 BACKWARD_TILE = 64  # query rows per step of the CPU backward
 
@@ -97,8 +99,13 @@ def _patch_cpu_flex_symbol_names() -> bool:
 
 
 def _flex():
-    """torch.compile(flex_attention) once per process (dynamic shapes: no recompilation per length)."""
+    """torch.compile(flex_attention) once per process (dynamic shapes: no recompilation per length).
+
+    Every call first keys torch.compile's on-disk caches to the CPU vector ISA (`stages.common.compile_cache`):
+    a CPU kernel Inductor generated under another `ATEN_CPU_CAPABILITY` and left in a shared cache directory
+    otherwise came back on a cache hit and computed wrong attention."""
     with _lock:
+        key_compile_caches_to_cpu_isa()  # cheap; before any (re)compilation the returned function may do
         if "fn" not in _compiled:
             import torch._dynamo
 
