@@ -46,6 +46,7 @@ COMMAND_MODULES = [
     "cli.chain",
     "cli.launch",
     "cli.compare",
+    "cli.probe_kl",
 ]
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,374 @@
+"""`smdctl probe-kl`: where the dense-teacher KL of smd lives, and what its gradient does to the dense policy
+(issue 22, item 5).
+
+For one iteration N of a run, on the policy that sampled it (`RunLayout.start_policy(N, warmstart)`), its
+trajectories (rollout/trajectories.arrow) and compacted shadow masks (compact/masks.zarr), on up to `rows`
+trajectory rows:
+
+1. Per response token, the dense-teacher KL of the smd objective: KL(sg[pi_dense] || pi_masked) over the full
+   vocabulary at the rollout temperature, computed by the learner's own path (the shadow-masked forward and the
+   dense teacher sharing the prefix, `response_hidden_with_teacher`, scored through the lm head in token chunks,
+   `chunked_token_scores`, which equals `objectives.dense_teacher_kl_per_token` on full logits).
+2. Per response token, whether the fact it needs was evicted. The fact is found generally, by induction: the
+   token's key is the prompt position k with prompt[k] == the token and prompt[k-1] == the token before it (for
+   pointer_chasing's answer `ball deer ; deer bird ...`, the target `deer` after `ball` finds `ball deer .` in
+   the prompt). Tokens with no such k, or with several, are class `no_fact` (separators, the hops' sources the
+   answer copied from itself, wrong tokens, ambiguous matches). For a token with a key, the shadow mask gives
+   the fraction of (layer, KV head) pairs that still see k at the query that predicts the token (q = its
+   position - 1; visible iff evict_at[k, layer, head] > q): `kept` (all see it), `evicted` (none), `partial`.
+3. Per class: tokens, mean KL per token (token mean; 95% interval by a bootstrap over rows), share of the
+   total KL.
+4. Gradients on the same weights, flattened over all parameters:
+   g_kl          grad of the mean KL over all the rows' response tokens (through the masked policy only: the
+                 teacher is detached, as in the objective);
+   g_kl_<class>  the same mean restricted to the tokens of one class (g_kl = sum_c (n_c / n) g_kl_<class>);
+   g_nll         grad of the dense policy's held-out reference NLL (`stages.common.model.reference_nll`: the
+                 mean over `eval_rows` eval prompts of the reference answer's summed NLL, full context,
+                 temperature 1), the figure evaluate reports as eval/dense/reference_nll.
+   Reported: the norms, <g, g_nll> and cos(g, g_nll).
+
+Interpretation. A gradient step on the KL term moves the weights along -g_kl (times lr and kl_lambda). To first
+order the held-out NLL changes by -lr * <g_kl, g_nll>: a positive cosine means the KL step also lowers the
+dense policy's held-out NLL (it helps), a negative cosine means it raises it (the KL step degrades the dense
+policy), about 0 means it is orthogonal noise for it. The per-class cosines tell which tokens carry the harm: a
+KL on tokens whose fact was evicted asks the masked policy to produce an answer it cannot see, and the cheapest
+way to match the teacher there may be to move shared weights away from the retrieval the dense policy uses.
+(Adam rescales the step per coordinate; the cosine is the plain-SGD first-order picture.)
+
+Output: a JSON (`write_probe`; fields in `probe_kl`'s docstring) and a small rich table (`render`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
+from schemas.layout import RunLayout
+from schemas.params.learner import LearnerParams
+from schemas.tables import read_table
+from stages.common.model import load_policy, load_tokenizer, resolve_device, response_ids
+from stages.learner.data import build_micro_batch, load_learner_data, read_evict_at
+from stages.learner.logprobs import chunked_token_scores, lm_head_of
+from stages.learner.shadow_attention import response_hidden_with_teacher
+
+SCHEMA_VERSION = 1
+KIND = "kl_probe"
+CLASSES = ("no_fact", "kept", "partial", "evicted")
+NO_FACT, KEPT, PARTIAL, EVICTED = range(len(CLASSES))
+
+
+# ------------------------------------------------------------------------------ the needed fact (induction key)
+def induction_keys(prompt: Sequence[int], response: Sequence[int]) -> np.ndarray:
+    """Per response token t, the prompt position k with prompt[k] == response[t] and prompt[k-1] == the token
+    before t (response[t-1], or the prompt's last token for t = 0): int64 [R], -1 where there is no such k or
+    more than one."""
+    prompt, response = [int(x) for x in prompt], [int(x) for x in response]
+    where: dict[tuple[int, int], list[int]] = {}
+    for k in range(1, len(prompt)):
+        where.setdefault((prompt[k - 1], prompt[k]), []).append(k)
+    out = np.full(len(response), -1, dtype=np.int64)
+    for t, tok in enumerate(response):
+        prev = response[t - 1] if t > 0 else (prompt[-1] if prompt else None)
+        found = where.get((prev, tok), []) if prev is not None else []
+        if len(found) == 1:
+            out[t] = found[0]
+    return out
+
+
+def key_visibility(keys: np.ndarray, evict_at: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Per response token with a key k (keys[t] >= 0), the fraction of (layer, KV head) pairs whose shadow mask
+    still shows k to the query that predicts the token (q = prompt_len + t - 1; visible iff evict_at[k] > q);
+    NaN where there is no key. `evict_at`: [T, L, H] of prompt + response."""
+    frac = np.full(len(keys), np.nan)
+    for t, k in enumerate(keys):
+        if k >= 0:
+            q = prompt_len + t - 1
+            frac[t] = float((np.asarray(evict_at[k]) > q).mean())
+    return frac
+
+
+def classify(visible: np.ndarray) -> np.ndarray:
+    """Visible fractions (NaN: no key) -> class indices into CLASSES (int64)."""
+    out = np.full(len(visible), NO_FACT, dtype=np.int64)
+    has = ~np.isnan(visible)
+    out[has & (visible >= 1.0)] = KEPT
+    out[has & (visible <= 0.0)] = EVICTED
+    out[has & (visible > 0.0) & (visible < 1.0)] = PARTIAL
+    return out
+
+
+def token_classes(prompt: Sequence[int], response: Sequence[int], evict_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(class index [R], visible fraction [R], NaN without a key) of one trajectory's response tokens."""
+    visible = key_visibility(induction_keys(prompt, response), np.asarray(evict_at), len(prompt))
+    return classify(visible), visible
+
+
+# ------------------------------------------------------------------------------ the KL and the gradients
+def token_kl(model, input_ids: torch.Tensor, evict_at: torch.Tensor, prompt_lens: list[int], resp_lens: list[int],
+             temperature: float, backend: str = "sdpa", chunk_tokens: int = 256) -> dict[str, torch.Tensor]:
+    """The learner's per-token scores of a right-padded batch, as the smd objective gets them: `kl` [B, R] =
+    KL(sg[pi_dense] || pi_masked) (gradient through the masked policy), `logp` [B, R] (the masked policy's
+    log-probs of the sampled tokens), `valid` [B, R]."""
+    hidden, teacher, targets, valid = response_hidden_with_teacher(model, input_ids, evict_at, prompt_lens,
+                                                                   resp_lens, backend)
+    scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
+                                  chunk_tokens=chunk_tokens, teacher_hidden=teacher)
+    return {"kl": scores["kl"], "logp": scores["logp"], "valid": valid}
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter], retain_graph: bool = False) -> torch.Tensor:
+    """d loss / d params, flattened into one float64 vector on the host (zeros for unused parameters)."""
+    grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).detach().reshape(-1).double().cpu()
+                      for g, p in zip(grads, params)])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """cos(a, b) in float64; NaN when either is zero."""
+    na, nb = float(a.double().norm()), float(b.double().norm())
+    if na == 0.0 or nb == 0.0:
+        return math.nan
+    return float(a.double() @ b.double()) / (na * nb)
+
+
+def reference_nll_sum(model, tokenizer, prompts: list[list[int]], references: list[str]) -> torch.Tensor:
+    """The summed reference NLL of one batch, with gradient: `stages.common.model.reference_nll_batch` (dense,
+    full context, temperature 1, the reference and EOS) without its no_grad."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seqs = [(list(p), response_ids(tokenizer, r)) for p, r in zip(prompts, references, strict=True)]
+    T = max(len(p) + len(r) for p, r in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    targets = torch.zeros(len(seqs), T, dtype=torch.long)
+    pick = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for b, (p, r) in enumerate(seqs):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[b, : len(p) + len(r)] = 1
+        targets[b, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(r)
+        pick[b, len(p) - 1: len(p) + len(r) - 1] = True
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
+    return -(logp * pick.to(device)).sum()
+
+
+def bootstrap_ratio(sums: np.ndarray, counts: np.ndarray, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile interval of sum(sums) / sum(counts) under resampling rows with replacement (the rows'
+    tokens are not independent); [nan, nan] without tokens."""
+    if counts.sum() == 0:
+        return [math.nan, math.nan]
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(sums), size=(resamples, len(sums)))
+    s, c = sums[idx].sum(1), counts[idx].sum(1)
+    ratio = s[c > 0] / c[c > 0]
+    return [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]
+
+
+# ------------------------------------------------------------------------------ the probe
+def latest_iteration(layout: RunLayout) -> int:
+    """The last iteration whose rollout trajectories and compacted masks both exist."""
+    done = [n for n in layout.iterations() if layout.iteration(n).trajectories.exists()
+            and (layout.iteration(n).masks / "zarr.json").exists()]
+    if not done:
+        raise SmdInputError(f"{layout.artifacts}: no iteration with rollout/{layout.iteration(1).trajectories.name} "
+                            "and compact/masks.zarr")
+    return done[-1]
+
+
+def _need(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise SmdInputError(f"{path}: missing ({what})")
+    return path
+
+
+def _pick_rows(n: int, rows: int, seed: int) -> list[int]:
+    if rows >= n:
+        return list(range(n))
+    return sorted(np.random.default_rng(seed).choice(n, size=rows, replace=False).tolist())
+
+
+def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | Path | None = None,
+             eval_prompts: str | Path | None = None, rows: int = 64, eval_rows: int = 64,
+             temperature: float | None = None, micro_batch_size: int = 8, seed: int = 0, device: str = "auto",
+             dtype: str = "float32", backend: str = "sdpa") -> dict[str, Any]:
+    """Measure the dense-teacher KL of iteration `iteration` (None: the latest with rollout + compact) of the run
+    under `artifacts`. Returns the record `write_probe` writes:
+
+      kind, schema_version          "kl_probe", 1
+      artifacts, iteration, policy, trajectories, masks, eval_prompts   the inputs (paths as strings)
+      temperature                   the KL's temperature (the rollout's, from the trajectory table's config)
+      rows                          the trajectory-table rows probed (a seeded sample of `rows` rows)
+      eval_rows                     how many eval prompts g_nll uses (the first ones of eval.arrow)
+      parity_logprob_abs_diff_max   max |masked learner log-prob - rollout log-prob| (the mask reproduces the
+                                    sampler when this is ~0; a large value means the probe's masked policy is
+                                    not the one that sampled)
+      tokens, kl_mean, kl_ci95      all response tokens: count, mean KL per token (nats), bootstrap interval
+      classes                       per class (no_fact, kept, partial, evicted): tokens, rows (with such a
+                                    token), kl_mean, kl_ci95, kl_share (of the total KL), visible_mean (mean
+                                    fraction of (layer, head) pairs that see the key; null for no_fact)
+      reference_nll                 the dense policy's mean reference NLL on the eval prompts (nats / answer)
+      gradients                     per gradient (kl, kl_<class>, nll): norm; for the KL ones also
+                                    dot_with_nll = <g, g_nll> and cosine_with_nll = cos(g, g_nll)
+                                    (null where a class has no token)
+      seconds                       wall time of the probe
+    """
+    t0 = time.perf_counter()
+    layout = RunLayout(artifacts)
+    n = latest_iteration(layout) if iteration is None else int(iteration)
+    it = layout.iteration(n)
+    policy = _need(layout.start_policy(n, warmstart), f"the policy that sampled iteration {n}")
+    traj = _need(it.trajectories, f"iteration {n}'s rollout trajectories")
+    masks = _need(it.masks, f"iteration {n}'s compacted masks")
+    evals = _need(Path(eval_prompts) if eval_prompts is not None else layout.eval_prompts, "the eval prompts")
+    if rows < 1 or eval_rows < 1 or micro_batch_size < 1:
+        raise SmdInputError(f"rows, eval_rows, micro_batch_size: must be >= 1 (got {rows}, {eval_rows}, "
+                            f"{micro_batch_size})")
+
+    dev = resolve_device(device)
+    model = load_policy(policy, dtype, device=dev)
+    tokenizer = load_tokenizer(policy)
+    cfg = model.config
+    num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    data = load_learner_data(LearnerParams(), traj, masks, cfg.num_hidden_layers, num_kv, need_masks=True)
+    if temperature is None:
+        temperature = float(data.rollout_config.get("rollout", {}).get("temperature", 1.0))
+    picked = _pick_rows(len(data), rows, seed)
+
+    # classes first (host only): the per-class means' denominators are needed before the backward passes
+    cls_of: dict[int, np.ndarray] = {}
+    vis_of: dict[int, np.ndarray] = {}
+    for r, ev in zip(picked, read_evict_at(data, picked)):
+        cls_of[r], vis_of[r] = token_classes(data.prompt_ids[r], data.response_ids[r], ev.numpy())
+    counts = np.array([[int((cls_of[r] == c).sum()) for c in range(len(CLASSES))] for r in picked], dtype=np.int64)
+    total_per_class = counts.sum(0)
+    sums = np.zeros((len(picked), len(CLASSES)))
+    params = trainable(model)
+    size = sum(p.numel() for p in params)
+    g_class = [torch.zeros(size, dtype=torch.float64) for _ in CLASSES]
+    parity = 0.0
+    for start in range(0, len(picked), micro_batch_size):
+        batch = picked[start: start + micro_batch_size]
+        mb = build_micro_batch(data, batch, masked=True, device=dev)
+        out = token_kl(model, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, temperature, backend)
+        kl, valid = out["kl"], out["valid"]
+        gap = (out["logp"].detach() - mb.rollout_logp).abs()[valid]
+        parity = max(parity, float(gap.max()) if gap.numel() else 0.0)
+        cls = torch.full(kl.shape, -1, dtype=torch.long)
+        for b, r in enumerate(batch):
+            cls[b, : len(cls_of[r])] = torch.from_numpy(cls_of[r])
+        cls = cls.to(kl.device)
+        wanted = [c for c in range(len(CLASSES)) if bool((cls == c).any())]
+        for j, c in enumerate(wanted):
+            sel = (cls == c) & valid
+            per_row = (kl.detach() * sel).sum(1).double().cpu().numpy()
+            sums[start: start + len(batch), c] = per_row
+            loss = (kl * sel).sum() / int(total_per_class[c])
+            g_class[c] += flat_grad(loss, params, retain_graph=j < len(wanted) - 1)
+
+    eval_table = read_table(evals, "prompts").to_pylist()[:eval_rows]
+    if not eval_table:
+        raise SmdInputError(f"{evals}: no eval prompts (g_nll needs at least one)")
+    g_nll = torch.zeros(size, dtype=torch.float64)
+    nll_total = 0.0
+    for start in range(0, len(eval_table), micro_batch_size):
+        part = eval_table[start: start + micro_batch_size]
+        loss = reference_nll_sum(model, tokenizer, [p["prompt_token_ids"] for p in part],
+                                 [p["reference"] for p in part]) / len(eval_table)
+        nll_total += float(loss.detach())
+        g_nll += flat_grad(loss, params)
+
+    n_tok = int(total_per_class.sum())
+    g_all = sum((int(total_per_class[c]) / max(n_tok, 1)) * g_class[c] for c in range(len(CLASSES)))
+    total_kl = float(sums.sum())
+
+    def grad_entry(g: torch.Tensor | None) -> dict[str, Any]:
+        if g is None:
+            return {"norm": None, "dot_with_nll": None, "cosine_with_nll": None}
+        return {"norm": float(g.norm()), "dot_with_nll": float(g @ g_nll), "cosine_with_nll": _num(cosine(g, g_nll))}
+
+    classes = {}
+    for c, name in enumerate(CLASSES):
+        tok = int(total_per_class[c])
+        vis = np.concatenate([vis_of[r][cls_of[r] == c] for r in picked]) if tok else np.zeros(0)
+        classes[name] = {
+            "tokens": tok,
+            "rows": int((counts[:, c] > 0).sum()),
+            "kl_mean": _num(float(sums[:, c].sum()) / tok) if tok else None,
+            "kl_ci95": [_num(x) for x in bootstrap_ratio(sums[:, c], counts[:, c], seed=seed)] if tok else None,
+            "kl_share": _num(float(sums[:, c].sum()) / total_kl) if total_kl > 0 else None,
+            "visible_mean": (_num(float(np.mean(vis))) if c != NO_FACT else None) if tok else None,
+        }
+    gradients = {"kl": grad_entry(g_all), "nll": {"norm": float(g_nll.norm())}}
+    for c, name in enumerate(CLASSES):
+        gradients[f"kl_{name}"] = grad_entry(g_class[c] if total_per_class[c] else None)
+    return {
+        "kind": KIND, "schema_version": SCHEMA_VERSION,
+        "artifacts": str(layout.artifacts), "iteration": n, "policy": str(policy), "trajectories": str(traj),
+        "masks": str(masks), "eval_prompts": str(evals), "temperature": temperature, "rows": picked,
+        "eval_rows": len(eval_table), "parity_logprob_abs_diff_max": parity,
+        "tokens": n_tok, "kl_mean": _num(total_kl / n_tok) if n_tok else None,
+        "kl_ci95": [_num(x) for x in bootstrap_ratio(sums.sum(1), counts.sum(1), seed=seed)],
+        "classes": classes, "reference_nll": nll_total, "gradients": gradients,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def write_probe(record: dict[str, Any], out: str | Path) -> Path:
+    out = Path(out)
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def render(record: dict[str, Any], console) -> None:
+    """A small table: per class tokens, mean KL [95% CI], share of the KL, cos(g_kl_class, g_nll), |g|."""
+    from rich.table import Table
+
+    def f(x, spec=".4g"):
+        return "-" if x is None else format(x, spec)
+
+    table = Table(title=f"dense-teacher KL, iteration {record['iteration']} ({len(record['rows'])} rows, "
+                        f"T={record['temperature']:g}; parity {record['parity_logprob_abs_diff_max']:.2g})")
+    for col in ("class", "tokens", "KL/token", "95% CI", "share", "visible", "cos(g, g_nll)", "|g|"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    grads = record["gradients"]
+    for name in CLASSES:
+        c, g = record["classes"][name], grads[f"kl_{name}"]
+        ci = "-" if c["kl_ci95"] is None else f"[{f(c['kl_ci95'][0])}, {f(c['kl_ci95'][1])}]"
+        table.add_row(name, str(c["tokens"]), f(c["kl_mean"]), ci, f(c["kl_share"], ".1%"), f(c["visible_mean"], ".2f"),
+                      f(g["cosine_with_nll"], "+.3f"), f(g["norm"]))
+    lo, hi = record["kl_ci95"]
+    table.add_row("all", str(record["tokens"]), f(record["kl_mean"]), f"[{f(lo)}, {f(hi)}]", "100%", "",
+                  f(grads["kl"]["cosine_with_nll"], "+.3f"), f(grads["kl"]["norm"]))
+    console.print(table)
+    console.print(f"held-out dense reference NLL {record['reference_nll']:.4g} nats/answer over "
+                  f"{record['eval_rows']} eval prompts; |g_nll| {grads['nll']['norm']:.4g}. A KL step moves along "
+                  "-g_kl: a negative cosine raises the held-out NLL to first order.")
+
+
+def default_out(iteration: int) -> Path:
+    return Path("reports") / f"probe-kl-iter-{iteration:03d}.json"
+
+
+def run_probe_kl(artifacts: str | Path, iteration: int | None, out: str | Path | None = None,
+                 **options: Any) -> tuple[dict[str, Any], Path]:
+    """`probe_kl`, then its JSON written to `out` (default reports/probe-kl-iter-NNN.json): (record, path)."""
+    record = probe_kl(artifacts, iteration, **options)
+    return record, write_probe(record, out if out is not None else default_out(record["iteration"]))
