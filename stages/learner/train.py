@@ -589,7 +589,7 @@ def _rows_tensor(rows: list[int], values: dict[int, np.ndarray], mb: MicroBatch,
     return out.to(mb.rollout_logp.device)
 
 
-# Headline of metrics.json (DVC metrics); details.json beside it holds the whole record.
+# Headline of metrics.json (the stage's headline file, read by progress and report); details.json beside it holds the whole record.
 HEADLINE = ("mismatch/logprob_abs_diff_max", "mismatch/kl", "mismatch/rollout_is_eff_sample_size",
             "rejection/seq_fraction", "rejection/token_fraction", "policy/entropy", "pg/clipfrac",
             "batch/zero_adv_group_frac", "learner/seconds_per_step", "learner/peak_rss_mb")

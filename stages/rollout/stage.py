@@ -1,10 +1,10 @@
 """`smdctl rollout`: sample G responses per prompt with the evicting cache and record shadow masks.
 
-One process, or several under the launcher (see `rollout`). Writes, atomically as one directory
+One process, or several under the launcher (see `run_rollout`). Writes, atomically as one directory
 (docs/design.md §5):
   trajectories.arrow   one row per response (schemas.tables TRAJECTORIES_SCHEMA)
   masks.raw.zarr       raw shadow masks, one shard per `shard_rows` rows (schemas.raw_masks)
-  metrics.json         headline (DVC metrics): mean reward, KV kept fraction, response length, tokens/s
+  metrics.json         headline (an uncached out; the DVC metric is artifacts/metrics.json): mean reward, KV kept fraction, response length, tokens/s
   details.json         every figure: reward spread, token counts, seconds (schemas.metrics)
 """
 

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from schemas.params.rollout import EvictionParams
 from schemas.raw_masks import visible_counts
+from stages.common.compile_cache import key_compile_caches_to_cpu_isa
 from stages.common.kvcache.policies import EvictionPolicy, LayerSlots, evict, make_policy
 from stages.common.kvcache.schedule import BudgetSchedule, budget_schedule
 from stages.common.model import attention_implementation
@@ -443,6 +444,7 @@ def compiled_decode_step(model):
     one of two graphs. Between batches the capacity and the batch size may change: torch.compile's automatic
     dynamic shapes then compile one graph with those sizes symbolic instead of one per batch.
     """
+    key_compile_caches_to_cpu_isa()  # a CPU kernel cached under another vector ISA must not be read back
     key = id(model)
     if key not in _COMPILED_STEPS:
         device = next(model.parameters()).device
