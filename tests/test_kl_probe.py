@@ -109,7 +109,7 @@ def test_dense_mask_kl_zero_and_facts_kept(tmp_path):
     rows = [torch.full((len(s), cfg.num_hidden_layers, cfg.num_key_value_heads), len(s), dtype=torch.long)
             for s in seqs]
     out = token_kl(model, ids, pad_evict_at(rows, T), [len(p) for p in prompts], [len(r) for r in responses], 1.0)
-    kl = out["kl"][out["valid"]]
+    kl = out["kl"].detach()[out["valid"]]
     assert float(kl.abs().max()) <= float32_bound(model_chain(cfg, T), 1.0)
     for p, r, ev in zip(prompts, responses, rows):
         cls, _ = token_classes(p, r, ev.numpy())
@@ -133,11 +133,14 @@ def test_gradient_cosine_and_class_split(tmp_path):
     assert float((split - g).abs().max()) <= 1e-6 * max(1.0, float(g.abs().max()))
 
 
-def test_probe_end_to_end_dense_rollout(tmp_path):
-    """A dense rollout (nothing evicted) of a tiny model: the probe's KL is 0 and no fact is evicted."""
+@pytest.mark.parametrize("policy", ["dense", "snapkv"])
+def test_probe_end_to_end(tmp_path, policy):
+    """The probe on a tiny model's rollout: with a dense rollout (nothing evicted) the KL is 0 and no fact is
+    evicted; with SnapKV the KL is positive and the record's splits add up (classes, advantage sides,
+    parameter groups, smd = pg + kl_lambda * kl)."""
     model_dir = make_model_dir(tmp_path, "gqa")
     data = write_prompt_splits(tmp_path / "data")
-    params = make_params(**{"rollout.eviction.policy": "dense"})
+    params = make_params(**{"rollout.eviction.policy": policy})
     art = tmp_path / "artifacts"
     make_iteration(art, model_dir, data / "train.arrow", params, name="iter-001")
     record = probe_kl(art, None, warmstart=model_dir, eval_prompts=data / "eval.arrow", rows=4, eval_rows=2,
@@ -145,11 +148,27 @@ def test_probe_end_to_end_dense_rollout(tmp_path):
     assert record["iteration"] == 1 and len(record["rows"]) == 4 and record["eval_rows"] == 2
     assert record["temperature"] == pytest.approx(0.8)  # the rollout's, from the trajectory table
     assert record["parity_logprob_abs_diff_max"] < 1e-4
-    assert abs(record["kl_mean"]) < 1e-5
-    assert record["classes"]["evicted"]["tokens"] == 0 and record["classes"]["partial"]["tokens"] == 0
     assert sum(record["classes"][c]["tokens"] for c in CLASSES) == record["tokens"]
-    assert record["gradients"]["nll"]["norm"] > 0
+    grads = record["gradients"]
+    assert grads["nll"]["norm"] > 0
     json.dumps(record, allow_nan=False)
+    if policy == "dense":
+        assert abs(record["kl_mean"]) < 1e-5
+        assert record["classes"]["evicted"]["tokens"] == 0 and record["classes"]["partial"]["tokens"] == 0
+        return
+    assert record["kl_mean"] > 1e-4
+    for name in ("kl", "pg", "smd"):
+        assert sum(grads[name]["dot_by_group"].values()) == pytest.approx(grads[name]["dot_with_nll"], rel=1e-9)
+        assert set(record["steps"][name]) == {"nll_after", "measured_change", "predicted_change"}
+    assert grads["smd"]["dot_with_nll"] == pytest.approx(
+        grads["pg"]["dot_with_nll"] + record["kl_lambda"] * grads["kl"]["dot_with_nll"], rel=1e-9)
+    sides = record["by_advantage"]
+    assert sides["pos"]["tokens"] + sides["nonpos"]["tokens"] == record["tokens"]
+    parts = [grads[f"kl_adv_{s}"]["dot_with_nll"] * sides[s]["tokens"] / record["tokens"]
+             for s in sides if sides[s]["tokens"]]
+    assert sum(parts) == pytest.approx(grads["kl"]["dot_with_nll"], rel=1e-5)
+    assert sum(v["tokens"] for v in record["by_visible"].values()) == \
+        record["tokens"] - record["classes"]["no_fact"]["tokens"]
 
 
 def test_cli_missing_artifact(tmp_path):

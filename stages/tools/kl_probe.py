@@ -129,6 +129,37 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+# Parameter groups of a decoder LM by name (first match; the rest is "other"): where a gradient dot product sits.
+PARAM_GROUPS = (("embed", ("embed", "lm_head", "wte", "wpe")),
+                ("attn_qk", ("q_proj", "k_proj", "q_norm", "k_norm", "query", "key")),
+                ("attn_vo", ("v_proj", "o_proj", "value", "dense")),
+                ("mlp", ("mlp", "gate_proj", "up_proj", "down_proj", "fc")),
+                ("norm", ("norm", "ln")))
+
+
+def param_group(name: str) -> str:
+    for group, needles in PARAM_GROUPS:
+        if any(n in name for n in needles):
+            return group
+    return "other"
+
+
+def group_slices(model) -> dict[str, list[tuple[int, int]]]:
+    """Group -> the (start, stop) ranges of `flat_grad`'s vector over `trainable(model)` (parameter order)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    at = 0
+    for name, p in model.named_parameters():  # the same order and deduplication as model.parameters()
+        if p.requires_grad:
+            out.setdefault(param_group(name), []).append((at, at + p.numel()))
+            at += p.numel()
+    return out
+
+
+def group_dots(g: torch.Tensor, h: torch.Tensor, slices: dict[str, list[tuple[int, int]]]) -> dict[str, float]:
+    """<g, h> split over the parameter groups (they sum to <g, h>)."""
+    return {name: float(sum(float(g[a:b] @ h[a:b]) for a, b in ranges)) for name, ranges in slices.items()}
+
+
 def flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter], retain_graph: bool = False) -> torch.Tensor:
     """d loss / d params, flattened into one float64 vector on the host (zeros for unused parameters)."""
     grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
@@ -203,7 +234,8 @@ def _pick_rows(n: int, rows: int, seed: int) -> list[int]:
 def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | Path | None = None,
              eval_prompts: str | Path | None = None, rows: int = 64, eval_rows: int = 64,
              temperature: float | None = None, micro_batch_size: int = 8, seed: int = 0, device: str = "auto",
-             dtype: str = "float32", backend: str = "sdpa") -> dict[str, Any]:
+             dtype: str = "float32", backend: str = "sdpa", kl_lambda: float = 0.1,
+             step_lr: float = 3e-5) -> dict[str, Any]:
     """Measure the dense-teacher KL of iteration `iteration` (None: the latest with rollout + compact) of the run
     under `artifacts`. Returns the record `write_probe` writes:
 
@@ -220,9 +252,23 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
                                     token), kl_mean, kl_ci95, kl_share (of the total KL), visible_mean (mean
                                     fraction of (layer, head) pairs that see the key; null for no_fact)
       reference_nll                 the dense policy's mean reference NLL on the eval prompts (nats / answer)
-      gradients                     per gradient (kl, kl_<class>, nll): norm; for the KL ones also
-                                    dot_with_nll = <g, g_nll> and cosine_with_nll = cos(g, g_nll)
+      by_visible                    fact tokens by how many (layer, KV head) pairs see the key: {"i/n": {tokens,
+                                    kl_mean}} (SnapKV selects per head, so most facts are partial)
+      by_advantage                  rows by the sign of their GRPO advantage (pos: A > 0, nonpos: A <= 0): rows,
+                                    tokens, kl_mean; their gradients are kl_adv_pos / kl_adv_nonpos
+      kl_lambda, step_lr            the smd weight of the KL, and the step size of the measured steps
+      gradients                     per gradient: kl, kl_<class>, pg (the GRPO surrogate's gradient at ratio 1:
+                                    grad of -sum A * log pi_masked / tokens, the row's advantage A over the whole
+                                    iteration batch; clipping is inactive at the first step), smd (pg +
+                                    kl_lambda * kl), nll: norm; for all but nll also
+                                    dot_with_nll = <g, g_nll>, cosine_with_nll = cos(g, g_nll),
+                                    sign_cosine_with_nll = cos(sign(g), g_nll) (Adam's first step from a fresh
+                                    state is lr * sign(g): its first-order effect), dot_by_group (<g, g_nll>
+                                    split over the parameter groups embed / attn_qk / attn_vo / mlp / norm)
                                     (null where a class has no token)
+      steps                         for kl, pg, smd: the held-out NLL after one sign step -step_lr * sign(g)
+                                    (Adam's first step), measured (nll_after - reference_nll) and predicted to
+                                    first order (-step_lr * <sign(g), g_nll>)
       seconds                       wall time of the probe
     """
     t0 = time.perf_counter()
@@ -258,7 +304,16 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
     params = trainable(model)
     size = sum(p.numel() for p in params)
     g_class = [torch.zeros(size, dtype=torch.float64) for _ in CLASSES]
+    g_pg = torch.zeros(size, dtype=torch.float64)
+    n_valid = int(sum(len(data.response_ids[r]) for r in picked))
+    # rows by the sign of their GRPO advantage: the KL on rows the update reinforces (A > 0) or pushes down
+    positive = {r: bool(data.advantages[r] > 0) for r in picked}
+    n_side = {side: int(sum(len(data.response_ids[r]) for r in picked if positive[r] == (side == "pos")))
+              for side in ("pos", "nonpos")}
+    g_side = {side: torch.zeros(size, dtype=torch.float64) for side in n_side}
+    kl_side = dict.fromkeys(n_side, 0.0)
     parity = 0.0
+    kl_of: dict[int, np.ndarray] = {}
     for start in range(0, len(picked), micro_batch_size):
         batch = picked[start: start + micro_batch_size]
         mb = build_micro_batch(data, batch, masked=True, device=dev)
@@ -271,33 +326,77 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
             cls[b, : len(cls_of[r])] = torch.from_numpy(cls_of[r])
         cls = cls.to(kl.device)
         wanted = [c for c in range(len(CLASSES)) if bool((cls == c).any())]
-        for j, c in enumerate(wanted):
+        for c in wanted:
             sel = (cls == c) & valid
             per_row = (kl.detach() * sel).sum(1).double().cpu().numpy()
             sums[start: start + len(batch), c] = per_row
             loss = (kl * sel).sum() / int(total_per_class[c])
-            g_class[c] += flat_grad(loss, params, retain_graph=j < len(wanted) - 1)
+            g_class[c] += flat_grad(loss, params, retain_graph=True)
+        for b, r in enumerate(batch):
+            kl_of[r] = kl.detach()[b, : len(cls_of[r])].double().cpu().numpy()
+        for side in n_side:
+            rows_in = torch.tensor([positive[r] == (side == "pos") for r in batch], device=kl.device)
+            if bool(rows_in.any()):
+                sel = valid & rows_in.unsqueeze(1)
+                kl_side[side] += float((kl.detach() * sel).sum())
+                g_side[side] += flat_grad((kl * sel).sum() / n_side[side], params, retain_graph=True)
+        pg = -(mb.advantages.unsqueeze(1) * out["logp"] * valid).sum() / max(n_valid, 1)
+        g_pg += flat_grad(pg, params)
 
     eval_table = read_table(evals, "prompts").to_pylist()[:eval_rows]
     if not eval_table:
         raise SmdInputError(f"{evals}: no eval prompts (g_nll needs at least one)")
     g_nll = torch.zeros(size, dtype=torch.float64)
-    nll_total = 0.0
-    for start in range(0, len(eval_table), micro_batch_size):
-        part = eval_table[start: start + micro_batch_size]
-        loss = reference_nll_sum(model, tokenizer, [p["prompt_token_ids"] for p in part],
-                                 [p["reference"] for p in part]) / len(eval_table)
-        nll_total += float(loss.detach())
-        g_nll += flat_grad(loss, params)
+
+    def held_out_nll(grad: bool) -> float:
+        total = 0.0
+        for start in range(0, len(eval_table), micro_batch_size):
+            part = eval_table[start: start + micro_batch_size]
+            with torch.enable_grad() if grad else torch.no_grad():
+                loss = reference_nll_sum(model, tokenizer, [p["prompt_token_ids"] for p in part],
+                                         [p["reference"] for p in part]) / len(eval_table)
+            total += float(loss.detach())
+            if grad:
+                g_nll.add_(flat_grad(loss, params))
+        return total
+
+    nll_total = held_out_nll(grad=True)
 
     n_tok = int(total_per_class.sum())
     g_all = sum((int(total_per_class[c]) / max(n_tok, 1)) * g_class[c] for c in range(len(CLASSES)))
+    g_smd = g_pg + kl_lambda * g_all
     total_kl = float(sums.sum())
+    slices = group_slices(model)
 
     def grad_entry(g: torch.Tensor | None) -> dict[str, Any]:
         if g is None:
-            return {"norm": None, "dot_with_nll": None, "cosine_with_nll": None}
-        return {"norm": float(g.norm()), "dot_with_nll": float(g @ g_nll), "cosine_with_nll": _num(cosine(g, g_nll))}
+            return {"norm": None, "dot_with_nll": None, "cosine_with_nll": None, "sign_cosine_with_nll": None,
+                    "dot_by_group": None}
+        return {"norm": float(g.norm()), "dot_with_nll": float(g @ g_nll), "cosine_with_nll": _num(cosine(g, g_nll)),
+                "sign_cosine_with_nll": _num(cosine(torch.sign(g), g_nll)), "dot_by_group": group_dots(g, g_nll, slices)}
+
+    steps = {}
+    for name, g in (("kl", g_all), ("pg", g_pg), ("smd", g_smd)):
+        step = torch.sign(g) * step_lr
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in params]
+            at = 0
+            for p in params:
+                p.sub_(step[at: at + p.numel()].view_as(p).to(p.dtype).to(p.device))
+                at += p.numel()
+            after = held_out_nll(grad=False)
+            for p, v in zip(params, saved):
+                p.copy_(v)
+        steps[name] = {"nll_after": after, "measured_change": after - nll_total,
+                       "predicted_change": -step_lr * float(torch.sign(g) @ g_nll)}
+
+    n_pairs = int(cfg.num_hidden_layers * num_kv)
+    by_visible: dict[str, dict[str, Any]] = {}
+    for i in range(n_pairs + 1):
+        vals = np.concatenate([kl_of[r][(cls_of[r] != NO_FACT) & (np.round(vis_of[r] * n_pairs) == i)]
+                               for r in picked])
+        if len(vals):
+            by_visible[f"{i}/{n_pairs}"] = {"tokens": int(len(vals)), "kl_mean": float(vals.mean())}
 
     classes = {}
     for c, name in enumerate(CLASSES):
@@ -311,7 +410,12 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
             "kl_share": _num(float(sums[:, c].sum()) / total_kl) if total_kl > 0 else None,
             "visible_mean": (_num(float(np.mean(vis))) if c != NO_FACT else None) if tok else None,
         }
-    gradients = {"kl": grad_entry(g_all), "nll": {"norm": float(g_nll.norm())}}
+    gradients = {"kl": grad_entry(g_all), "pg": grad_entry(g_pg), "smd": grad_entry(g_smd),
+                 "nll": {"norm": float(g_nll.norm())}}
+    for side in n_side:
+        gradients[f"kl_adv_{side}"] = grad_entry(g_side[side] if n_side[side] else None)
+    by_advantage = {side: {"rows": int(sum(positive[r] == (side == "pos") for r in picked)), "tokens": n_side[side],
+                           "kl_mean": kl_side[side] / n_side[side] if n_side[side] else None} for side in n_side}
     for c, name in enumerate(CLASSES):
         gradients[f"kl_{name}"] = grad_entry(g_class[c] if total_per_class[c] else None)
     return {
@@ -321,7 +425,8 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
         "eval_rows": len(eval_table), "parity_logprob_abs_diff_max": parity,
         "tokens": n_tok, "kl_mean": _num(total_kl / n_tok) if n_tok else None,
         "kl_ci95": [_num(x) for x in bootstrap_ratio(sums.sum(1), counts.sum(1), seed=seed)],
-        "classes": classes, "reference_nll": nll_total, "gradients": gradients,
+        "classes": classes, "by_visible": by_visible, "by_advantage": by_advantage, "reference_nll": nll_total, "kl_lambda": kl_lambda,
+        "step_lr": step_lr, "gradients": gradients, "steps": steps,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -338,29 +443,50 @@ def write_probe(record: dict[str, Any], out: str | Path) -> Path:
 
 
 def render(record: dict[str, Any], console) -> None:
-    """A small table: per class tokens, mean KL [95% CI], share of the KL, cos(g_kl_class, g_nll), |g|."""
+    """A small table: per class tokens, mean KL [95% CI], share of the KL, mean visibility of the key, and
+    cos(g, g_nll), cos(sign g, g_nll), |g| of the class's KL; then pg and smd's gradients, the measured sign
+    steps and where <g_kl, g_nll> sits in the weights."""
     from rich.table import Table
 
-    def f(x, spec=".4g"):
+    def f(x, spec=".3g"):
         return "-" if x is None else format(x, spec)
 
     table = Table(title=f"dense-teacher KL, iteration {record['iteration']} ({len(record['rows'])} rows, "
                         f"T={record['temperature']:g}; parity {record['parity_logprob_abs_diff_max']:.2g})")
-    for col in ("class", "tokens", "KL/token", "95% CI", "share", "visible", "cos(g, g_nll)", "|g|"):
-        table.add_column(col, justify="left" if col == "class" else "right")
+    for col in ("term", "tokens", "KL/token", "95% CI", "share", "visible", "cos(g,g_nll)", "cos(sgn g,g_nll)",
+                "|g|"):
+        table.add_column(col, justify="left" if col == "term" else "right")
     grads = record["gradients"]
+
+    def cosines(g):
+        return f(g["cosine_with_nll"], "+.3f"), f(g["sign_cosine_with_nll"], "+.3f"), f(g["norm"])
+
     for name in CLASSES:
-        c, g = record["classes"][name], grads[f"kl_{name}"]
+        c = record["classes"][name]
         ci = "-" if c["kl_ci95"] is None else f"[{f(c['kl_ci95'][0])}, {f(c['kl_ci95'][1])}]"
-        table.add_row(name, str(c["tokens"]), f(c["kl_mean"]), ci, f(c["kl_share"], ".1%"), f(c["visible_mean"], ".2f"),
-                      f(g["cosine_with_nll"], "+.3f"), f(g["norm"]))
+        table.add_row(f"kl {name}", str(c["tokens"]), f(c["kl_mean"]), ci, f(c["kl_share"], ".1%"),
+                      f(c["visible_mean"], ".2f"), *cosines(grads[f"kl_{name}"]))
     lo, hi = record["kl_ci95"]
-    table.add_row("all", str(record["tokens"]), f(record["kl_mean"]), f"[{f(lo)}, {f(hi)}]", "100%", "",
-                  f(grads["kl"]["cosine_with_nll"], "+.3f"), f(grads["kl"]["norm"]))
+    table.add_row("kl (all)", str(record["tokens"]), f(record["kl_mean"]), f"[{f(lo)}, {f(hi)}]", "100%", "",
+                  *cosines(grads["kl"]))
+    for side in ("pos", "nonpos"):
+        a = record["by_advantage"][side]
+        table.add_row(f"kl rows A{'>' if side == 'pos' else '<='}0", str(a["tokens"]), f(a["kl_mean"]), "", "", "",
+                      *cosines(grads[f"kl_adv_{side}"]))
+    table.add_row("pg", "", "", "", "", "", *cosines(grads["pg"]))
+    table.add_row(f"smd = pg + {record['kl_lambda']:g} kl", "", "", "", "", "", *cosines(grads["smd"]))
     console.print(table)
-    console.print(f"held-out dense reference NLL {record['reference_nll']:.4g} nats/answer over "
-                  f"{record['eval_rows']} eval prompts; |g_nll| {grads['nll']['norm']:.4g}. A KL step moves along "
-                  "-g_kl: a negative cosine raises the held-out NLL to first order.")
+    steps = ", ".join(f"{k} {v['measured_change']:+.3g} (predicted {v['predicted_change']:+.3g})"
+                      for k, v in record["steps"].items())
+    groups = grads["kl"]["dot_by_group"] or {}
+    dot = grads["kl"]["dot_with_nll"]
+    split = ", ".join(f"{k} {v / dot:.0%}" for k, v in groups.items()) if dot else "-"
+    console.print(f"held-out dense reference NLL {record['reference_nll']:.4g} nats/answer ({record['eval_rows']} "
+                  f"eval prompts), |g_nll| {grads['nll']['norm']:.3g}. A step moves along -g: a negative cosine "
+                  f"raises the held-out NLL to first order.\nNLL change after one Adam-like step -{record['step_lr']:g}"
+                  f" * sign(g): {steps}.\n<g_kl, g_nll> by parameter group: {split}.")
+    vis = ", ".join(f"{k}: {v['tokens']} tok KL {v['kl_mean']:.3g}" for k, v in record["by_visible"].items())
+    console.print(f"fact tokens by (layer, KV head) pairs that see the key: {vis or '-'}")
 
 
 def default_out(iteration: int) -> Path:
