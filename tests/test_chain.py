@@ -21,6 +21,7 @@ SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_
 @pytest.mark.slow
 def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
     model_dir = make_model_dir(tmp_path, "gqa")
+    (model_dir.parent / "metrics.json").write_text(json.dumps({"schema_version": "1", "reward": 0.25}))  # warm start's
     data = write_prompt_splits(tmp_path / "data")
     run = tmp_path / "run"
     args = ["chain", "--run-dir", str(run), "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir),
@@ -48,4 +49,8 @@ def test_chain_writes_the_pipeline_layout_and_resumes(tmp_path):
     assert res.exit_code == 0, res.output
     assert {f: f.stat().st_mtime_ns for f in before} == before
     assert (art / "iter-003" / "evaluate" / "metrics.json").exists()
+    headline = json.loads((art / "metrics.json").read_text())  # follows the last iteration, as dvc repro's
+    last = json.loads((art / "iter-003" / "progress.json").read_text())["rows"][-1]
+    assert headline["iteration"] == 3 and headline["warm_dense"] == 0.25
+    assert headline["reward"] == last["reward/mean"] and headline["dense"] == last["eval/dense/score"]
     assert "learner" in (run / "params.yaml").read_text()

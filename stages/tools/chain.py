@@ -33,7 +33,8 @@ def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: 
 
     The warm start's metrics are copied in as iteration 0 of summary and report; `run_dir/params.yaml` holds the
     effective params (what `smdctl report` labels the run by). Evaluation runs every `eval_every` iterations and
-    at the last."""
+    at the last. With the warm start's metrics at hand, the run's headline (`artifacts/metrics.json`) follows the
+    last iteration."""
     run = RunLayout(run_dir / "artifacts")
     run.artifacts.mkdir(parents=True, exist_ok=True)
     for name in (METRICS, DETAILS):
@@ -52,6 +53,10 @@ def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: 
         t0 = time.perf_counter()
         run_iteration(p, n, policy, run, data, evaluated)
         print(f"iteration {n}/{iterations} done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    if (run.warmstart / METRICS).is_file():  # the run's headline, as `dvc repro`'s headline stage writes it
+        from stages.progress.headline import run_headline
+
+        run_headline(iterations, run.iteration(iterations).progress, run.warmstart / METRICS, run.headline)
     return run
 
 
