@@ -51,6 +51,9 @@ def test_induction_keys_hand_checked():
     # ambiguous: "1 20" occurs twice -> no key; the first response token's predecessor is the prompt's last token
     assert induction_keys([1, 20, 5, 1, 20, 7], [20]).tolist() == [-1]
     assert induction_keys([1, 20, 5, 7, 1], [20, 5]).tolist() == [1, 2]
+    # other tokens at each position (the dense teacher's), looked up after the *response's* previous token:
+    # 30 after 10 -> k=11, 12 after 11 -> k=5, 1 after 12 -> k=6 (where the sampled 13 had no key)
+    assert induction_keys(PROMPT, RESPONSE, [10, 30, 3, 11, 12, 3, 12, 1]).tolist() == [-1, 11, -1, -1, 5, -1, -1, 6]
 
 
 def test_classes_from_evict_at_hand_checked():
@@ -149,6 +152,8 @@ def test_probe_end_to_end(tmp_path, policy):
     assert record["temperature"] == pytest.approx(0.8)  # the rollout's, from the trajectory table
     assert record["parity_logprob_abs_diff_max"] < 1e-4
     assert sum(record["classes"][c]["tokens"] for c in CLASSES) == record["tokens"]
+    assert sum(record["classes_needed"][c]["tokens"] for c in CLASSES) == record["tokens"]
+    assert record["classes_needed"]["no_fact"]["tokens"] <= record["classes"]["no_fact"]["tokens"]
     grads = record["gradients"]
     assert grads["nll"]["norm"] > 0
     json.dumps(record, allow_nan=False)

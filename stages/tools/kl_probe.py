@@ -56,7 +56,7 @@ from schemas.layout import RunLayout
 from schemas.params.learner import LearnerParams
 from schemas.tables import read_table
 from stages.common.model import load_policy, load_tokenizer, resolve_device, response_ids
-from stages.learner.data import build_micro_batch, load_learner_data, read_evict_at
+from stages.learner.data import build_micro_batch, load_learner_data
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.shadow_attention import response_hidden_with_teacher
 
@@ -64,19 +64,24 @@ SCHEMA_VERSION = 1
 KIND = "kl_probe"
 CLASSES = ("no_fact", "kept", "partial", "evicted")
 NO_FACT, KEPT, PARTIAL, EVICTED = range(len(CLASSES))
+# Whose induction key classifies a token: the sampled token's (the brief's), or the fact the dense policy needs
+# there: the sampled token's key, else the key of the dense teacher's most likely token (a wrong hop samples a
+# token with no key, but the teacher's token has one: the fact the right answer needed).
+KEY_KINDS = ("sampled", "needed")
 
 
 # ------------------------------------------------------------------------------ the needed fact (induction key)
-def induction_keys(prompt: Sequence[int], response: Sequence[int]) -> np.ndarray:
-    """Per response token t, the prompt position k with prompt[k] == response[t] and prompt[k-1] == the token
-    before t (response[t-1], or the prompt's last token for t = 0): int64 [R], -1 where there is no such k or
-    more than one."""
+def induction_keys(prompt: Sequence[int], response: Sequence[int], targets: Sequence[int] | None = None) -> np.ndarray:
+    """Per response token t, the prompt position k with prompt[k] == response[t] (or `targets[t]`, another
+    token at that position: the dense teacher's choice) and prompt[k-1] == the token before t (response[t-1], or
+    the prompt's last token for t = 0): int64 [R], -1 where there is no such k or more than one."""
     prompt, response = [int(x) for x in prompt], [int(x) for x in response]
+    wanted = response if targets is None else [int(x) for x in targets]
     where: dict[tuple[int, int], list[int]] = {}
     for k in range(1, len(prompt)):
         where.setdefault((prompt[k - 1], prompt[k]), []).append(k)
     out = np.full(len(response), -1, dtype=np.int64)
-    for t, tok in enumerate(response):
+    for t, tok in enumerate(wanted):
         prev = response[t - 1] if t > 0 else (prompt[-1] if prompt else None)
         found = where.get((prev, tok), []) if prev is not None else []
         if len(found) == 1:
@@ -117,12 +122,21 @@ def token_kl(model, input_ids: torch.Tensor, evict_at: torch.Tensor, prompt_lens
              temperature: float, backend: str = "sdpa", chunk_tokens: int = 256) -> dict[str, torch.Tensor]:
     """The learner's per-token scores of a right-padded batch, as the smd objective gets them: `kl` [B, R] =
     KL(sg[pi_dense] || pi_masked) (gradient through the masked policy), `logp` [B, R] (the masked policy's
-    log-probs of the sampled tokens), `valid` [B, R]."""
+    log-probs of the sampled tokens), `valid` [B, R], `teacher_argmax` [B, R] (the dense teacher's most likely
+    token; 0 at padding)."""
     hidden, teacher, targets, valid = response_hidden_with_teacher(model, input_ids, evict_at, prompt_lens,
                                                                    resp_lens, backend)
-    scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
+    head = lm_head_of(model)
+    scores = chunked_token_scores(hidden, head, targets, valid, temperature=temperature,
                                   chunk_tokens=chunk_tokens, teacher_hidden=teacher)
-    return {"kl": scores["kl"], "logp": scores["logp"], "valid": valid}
+    argmax = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
+    with torch.no_grad():
+        index = valid.reshape(-1).nonzero().squeeze(-1)
+        flat = teacher.detach().reshape(-1, teacher.shape[-1]).index_select(0, index)
+        best = torch.cat([head(flat[a: a + chunk_tokens]).argmax(-1) for a in range(0, len(flat), chunk_tokens)]
+                         or [torch.zeros(0, dtype=torch.long, device=valid.device)])
+        argmax.view(-1).index_copy_(0, index, best)
+    return {"kl": scores["kl"], "logp": scores["logp"], "valid": valid, "teacher_argmax": argmax}
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
@@ -250,14 +264,20 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
       tokens, kl_mean, kl_ci95      all response tokens: count, mean KL per token (nats), bootstrap interval
       classes                       per class (no_fact, kept, partial, evicted): tokens, rows (with such a
                                     token), kl_mean, kl_ci95, kl_share (of the total KL), visible_mean (mean
-                                    fraction of (layer, head) pairs that see the key; null for no_fact)
+                                    fraction of (layer, head) pairs that see the key; null for no_fact); the
+                                    key is the sampled token's induction key
+      classes_needed                the same with the key of the fact the dense policy needs there: the sampled
+                                    token's key, else that of the dense teacher's most likely token (a wrong hop
+                                    has no key of its own; the teacher's right token has one)
       reference_nll                 the dense policy's mean reference NLL on the eval prompts (nats / answer)
       by_visible                    fact tokens by how many (layer, KV head) pairs see the key: {"i/n": {tokens,
-                                    kl_mean}} (SnapKV selects per head, so most facts are partial)
+                                    kl_mean}} (SnapKV selects per head, so most facts are partial);
+                                    by_visible_needed: the same for classes_needed
       by_advantage                  rows by the sign of their GRPO advantage (pos: A > 0, nonpos: A <= 0): rows,
                                     tokens, kl_mean; their gradients are kl_adv_pos / kl_adv_nonpos
       kl_lambda, step_lr            the smd weight of the KL, and the step size of the measured steps
-      gradients                     per gradient: kl, kl_<class>, pg (the GRPO surrogate's gradient at ratio 1:
+      gradients                     per gradient: kl, kl_<class>, kl_needed_<class>, kl_adv_pos, kl_adv_nonpos
+                                    (each the mean KL over its tokens), pg (the GRPO surrogate's gradient at ratio 1:
                                     grad of -sum A * log pi_masked / tokens, the row's advantage A over the whole
                                     iteration batch; clipping is inactive at the first step), smd (pg +
                                     kl_lambda * kl), nll: norm; for all but nll also
@@ -293,27 +313,23 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
         temperature = float(data.rollout_config.get("rollout", {}).get("temperature", 1.0))
     picked = _pick_rows(len(data), rows, seed)
 
-    # classes first (host only): the per-class means' denominators are needed before the backward passes
-    cls_of: dict[int, np.ndarray] = {}
-    vis_of: dict[int, np.ndarray] = {}
-    for r, ev in zip(picked, read_evict_at(data, picked)):
-        cls_of[r], vis_of[r] = token_classes(data.prompt_ids[r], data.response_ids[r], ev.numpy())
-    counts = np.array([[int((cls_of[r] == c).sum()) for c in range(len(CLASSES))] for r in picked], dtype=np.int64)
-    total_per_class = counts.sum(0)
-    sums = np.zeros((len(picked), len(CLASSES)))
+    n_pairs = int(cfg.num_hidden_layers * num_kv)
     params = trainable(model)
     size = sum(p.numel() for p in params)
-    g_class = [torch.zeros(size, dtype=torch.float64) for _ in CLASSES]
-    g_pg = torch.zeros(size, dtype=torch.float64)
-    n_valid = int(sum(len(data.response_ids[r]) for r in picked))
-    # rows by the sign of their GRPO advantage: the KL on rows the update reinforces (A > 0) or pushes down
-    positive = {r: bool(data.advantages[r] > 0) for r in picked}
-    n_side = {side: int(sum(len(data.response_ids[r]) for r in picked if positive[r] == (side == "pos")))
-              for side in ("pos", "nonpos")}
-    g_side = {side: torch.zeros(size, dtype=torch.float64) for side in n_side}
-    kl_side = dict.fromkeys(n_side, 0.0)
-    parity = 0.0
+    g_sum: dict[str, torch.Tensor] = {}  # gradients of sums over tokens, divided by their counts at the end
+
+    def add(name: str, loss: torch.Tensor) -> None:
+        g = flat_grad(loss, params, retain_graph=True)
+        g_sum[name] = g_sum[name] + g if name in g_sum else g
+
+    # per key kind (the sampled token's induction key; or, where it has none, the dense teacher's argmax's):
+    # per row the class and visible fraction of each response token
+    cls_of: dict[str, dict[int, np.ndarray]] = {kind: {} for kind in KEY_KINDS}
+    vis_of: dict[str, dict[int, np.ndarray]] = {kind: {} for kind in KEY_KINDS}
     kl_of: dict[int, np.ndarray] = {}
+    positive = {r: bool(data.advantages[r] > 0) for r in picked}  # rows the update reinforces
+    n_valid = int(sum(len(data.response_ids[r]) for r in picked))
+    parity = 0.0
     for start in range(0, len(picked), micro_batch_size):
         batch = picked[start: start + micro_batch_size]
         mb = build_micro_batch(data, batch, masked=True, device=dev)
@@ -321,27 +337,30 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
         kl, valid = out["kl"], out["valid"]
         gap = (out["logp"].detach() - mb.rollout_logp).abs()[valid]
         parity = max(parity, float(gap.max()) if gap.numel() else 0.0)
-        cls = torch.full(kl.shape, -1, dtype=torch.long)
+        argmax = out["teacher_argmax"].cpu().numpy()
+        evict_at = mb.evict_at.cpu()
+        cls = {kind: torch.full(kl.shape, -1, dtype=torch.long) for kind in KEY_KINDS}
         for b, r in enumerate(batch):
-            cls[b, : len(cls_of[r])] = torch.from_numpy(cls_of[r])
-        cls = cls.to(kl.device)
-        wanted = [c for c in range(len(CLASSES)) if bool((cls == c).any())]
-        for c in wanted:
-            sel = (cls == c) & valid
-            per_row = (kl.detach() * sel).sum(1).double().cpu().numpy()
-            sums[start: start + len(batch), c] = per_row
-            loss = (kl * sel).sum() / int(total_per_class[c])
-            g_class[c] += flat_grad(loss, params, retain_graph=True)
-        for b, r in enumerate(batch):
-            kl_of[r] = kl.detach()[b, : len(cls_of[r])].double().cpu().numpy()
-        for side in n_side:
-            rows_in = torch.tensor([positive[r] == (side == "pos") for r in batch], device=kl.device)
-            if bool(rows_in.any()):
-                sel = valid & rows_in.unsqueeze(1)
-                kl_side[side] += float((kl.detach() * sel).sum())
-                g_side[side] += flat_grad((kl * sel).sum() / n_side[side], params, retain_graph=True)
-        pg = -(mb.advantages.unsqueeze(1) * out["logp"] * valid).sum() / max(n_valid, 1)
-        g_pg += flat_grad(pg, params)
+            prompt, response = data.prompt_ids[r], data.response_ids[r]
+            ev = evict_at[:, b].permute(2, 0, 1)[: data.length(r)].numpy()  # [T, L, H]
+            kl_of[r] = kl.detach()[b, : len(response)].double().cpu().numpy()
+            sampled = induction_keys(prompt, response)
+            needed = np.where(sampled >= 0, sampled, induction_keys(prompt, response, argmax[b, : len(response)]))
+            for kind, keys in (("sampled", sampled), ("needed", needed)):
+                vis_of[kind][r] = key_visibility(keys, ev, len(prompt))
+                cls_of[kind][r] = classify(vis_of[kind][r])
+                cls[kind][b, : len(response)] = torch.from_numpy(cls_of[kind][r])
+        for kind in KEY_KINDS:
+            on = cls[kind].to(kl.device)
+            for c in range(len(CLASSES)):
+                sel = (on == c) & valid
+                if bool(sel.any()):
+                    add(f"{kind}:{c}", (kl * sel).sum())
+        side = torch.tensor([positive[r] for r in batch], device=kl.device).unsqueeze(1)
+        for name, sel in (("adv_pos", valid & side), ("adv_nonpos", valid & ~side)):
+            if bool(sel.any()):
+                add(name, (kl * sel).sum())
+        add("pg", -(mb.advantages.unsqueeze(1) * out["logp"] * valid).sum())
 
     eval_table = read_table(evals, "prompts").to_pylist()[:eval_rows]
     if not eval_table:
@@ -361,11 +380,15 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
         return total
 
     nll_total = held_out_nll(grad=True)
+    zero = torch.zeros(size, dtype=torch.float64)
 
-    n_tok = int(total_per_class.sum())
-    g_all = sum((int(total_per_class[c]) / max(n_tok, 1)) * g_class[c] for c in range(len(CLASSES)))
+    def mean_grad(name: str, count: int) -> torch.Tensor | None:
+        return g_sum.get(name, zero) / count if count else None
+
+    n_tok = n_valid
+    g_all = sum((g_sum.get(f"sampled:{c}", zero) for c in range(len(CLASSES))), zero) / max(n_tok, 1)
+    g_pg = g_sum["pg"] / max(n_tok, 1)
     g_smd = g_pg + kl_lambda * g_all
-    total_kl = float(sums.sum())
     slices = group_slices(model)
 
     def grad_entry(g: torch.Tensor | None) -> dict[str, Any]:
@@ -390,42 +413,53 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
         steps[name] = {"nll_after": after, "measured_change": after - nll_total,
                        "predicted_change": -step_lr * float(torch.sign(g) @ g_nll)}
 
-    n_pairs = int(cfg.num_hidden_layers * num_kv)
-    by_visible: dict[str, dict[str, Any]] = {}
-    for i in range(n_pairs + 1):
-        vals = np.concatenate([kl_of[r][(cls_of[r] != NO_FACT) & (np.round(vis_of[r] * n_pairs) == i)]
-                               for r in picked])
-        if len(vals):
-            by_visible[f"{i}/{n_pairs}"] = {"tokens": int(len(vals)), "kl_mean": float(vals.mean())}
-
-    classes = {}
-    for c, name in enumerate(CLASSES):
-        tok = int(total_per_class[c])
-        vis = np.concatenate([vis_of[r][cls_of[r] == c] for r in picked]) if tok else np.zeros(0)
-        classes[name] = {
-            "tokens": tok,
-            "rows": int((counts[:, c] > 0).sum()),
-            "kl_mean": _num(float(sums[:, c].sum()) / tok) if tok else None,
-            "kl_ci95": [_num(x) for x in bootstrap_ratio(sums[:, c], counts[:, c], seed=seed)] if tok else None,
-            "kl_share": _num(float(sums[:, c].sum()) / total_kl) if total_kl > 0 else None,
-            "visible_mean": (_num(float(np.mean(vis))) if c != NO_FACT else None) if tok else None,
-        }
+    total_kl = float(sum(kl_of[r].sum() for r in picked))
     gradients = {"kl": grad_entry(g_all), "pg": grad_entry(g_pg), "smd": grad_entry(g_smd),
                  "nll": {"norm": float(g_nll.norm())}}
-    for side in n_side:
-        gradients[f"kl_adv_{side}"] = grad_entry(g_side[side] if n_side[side] else None)
-    by_advantage = {side: {"rows": int(sum(positive[r] == (side == "pos") for r in picked)), "tokens": n_side[side],
-                           "kl_mean": kl_side[side] / n_side[side] if n_side[side] else None} for side in n_side}
-    for c, name in enumerate(CLASSES):
-        gradients[f"kl_{name}"] = grad_entry(g_class[c] if total_per_class[c] else None)
+    classes: dict[str, dict[str, Any]] = {}
+    by_visible: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind in KEY_KINDS:
+        table = classes.setdefault(kind, {})
+        sums = np.array([[kl_of[r][cls_of[kind][r] == c].sum() for c in range(len(CLASSES))] for r in picked])
+        counts = np.array([[int((cls_of[kind][r] == c).sum()) for c in range(len(CLASSES))] for r in picked])
+        for c, name in enumerate(CLASSES):
+            tok = int(counts[:, c].sum())
+            vis = np.concatenate([vis_of[kind][r][cls_of[kind][r] == c] for r in picked]) if tok else np.zeros(0)
+            table[name] = {
+                "tokens": tok,
+                "rows": int((counts[:, c] > 0).sum()),
+                "kl_mean": _num(float(sums[:, c].sum()) / tok) if tok else None,
+                "kl_ci95": [_num(x) for x in bootstrap_ratio(sums[:, c], counts[:, c], seed=seed)] if tok else None,
+                "kl_share": _num(float(sums[:, c].sum()) / total_kl) if total_kl > 0 else None,
+                "visible_mean": (_num(float(np.mean(vis))) if c != NO_FACT else None) if tok else None,
+            }
+            gradients[f"kl_{name}" if kind == "sampled" else f"kl_{kind}_{name}"] = grad_entry(
+                mean_grad(f"{kind}:{c}", tok))
+        by_visible[kind] = {}
+        for i in range(n_pairs + 1):
+            vals = np.concatenate([kl_of[r][(cls_of[kind][r] != NO_FACT) & (np.round(vis_of[kind][r] * n_pairs) == i)]
+                                   for r in picked])
+            if len(vals):
+                by_visible[kind][f"{i}/{n_pairs}"] = {"tokens": int(len(vals)), "kl_mean": float(vals.mean())}
+    by_advantage = {}
+    for side, want in (("pos", True), ("nonpos", False)):
+        mine = [r for r in picked if positive[r] == want]
+        tok = int(sum(len(kl_of[r]) for r in mine))
+        by_advantage[side] = {"rows": len(mine), "tokens": tok,
+                              "kl_mean": float(sum(kl_of[r].sum() for r in mine)) / tok if tok else None}
+        gradients[f"kl_adv_{side}"] = grad_entry(mean_grad(f"adv_{side}", tok))
+    all_sums = np.array([kl_of[r].sum() for r in picked])
+    all_counts = np.array([len(kl_of[r]) for r in picked])
     return {
         "kind": KIND, "schema_version": SCHEMA_VERSION,
         "artifacts": str(layout.artifacts), "iteration": n, "policy": str(policy), "trajectories": str(traj),
         "masks": str(masks), "eval_prompts": str(evals), "temperature": temperature, "rows": picked,
         "eval_rows": len(eval_table), "parity_logprob_abs_diff_max": parity,
         "tokens": n_tok, "kl_mean": _num(total_kl / n_tok) if n_tok else None,
-        "kl_ci95": [_num(x) for x in bootstrap_ratio(sums.sum(1), counts.sum(1), seed=seed)],
-        "classes": classes, "by_visible": by_visible, "by_advantage": by_advantage, "reference_nll": nll_total, "kl_lambda": kl_lambda,
+        "kl_ci95": [_num(x) for x in bootstrap_ratio(all_sums, all_counts, seed=seed)],
+        "classes": classes["sampled"], "classes_needed": classes["needed"],
+        "by_visible": by_visible["sampled"], "by_visible_needed": by_visible["needed"],
+        "by_advantage": by_advantage, "reference_nll": nll_total, "kl_lambda": kl_lambda,
         "step_lr": step_lr, "gradients": gradients, "steps": steps,
         "seconds": time.perf_counter() - t0,
     }
@@ -461,11 +495,12 @@ def render(record: dict[str, Any], console) -> None:
     def cosines(g):
         return f(g["cosine_with_nll"], "+.3f"), f(g["sign_cosine_with_nll"], "+.3f"), f(g["norm"])
 
-    for name in CLASSES:
-        c = record["classes"][name]
-        ci = "-" if c["kl_ci95"] is None else f"[{f(c['kl_ci95'][0])}, {f(c['kl_ci95'][1])}]"
-        table.add_row(f"kl {name}", str(c["tokens"]), f(c["kl_mean"]), ci, f(c["kl_share"], ".1%"),
-                      f(c["visible_mean"], ".2f"), *cosines(grads[f"kl_{name}"]))
+    for kind, label, key in (("classes", "kl", "kl_"), ("classes_needed", "kl needed", "kl_needed_")):
+        for name in CLASSES:
+            c = record[kind][name]
+            ci = "-" if c["kl_ci95"] is None else f"[{f(c['kl_ci95'][0])}, {f(c['kl_ci95'][1])}]"
+            table.add_row(f"{label} {name}", str(c["tokens"]), f(c["kl_mean"]), ci, f(c["kl_share"], ".1%"),
+                          f(c["visible_mean"], ".2f"), *cosines(grads[f"{key}{name}"]))
     lo, hi = record["kl_ci95"]
     table.add_row("kl (all)", str(record["tokens"]), f(record["kl_mean"]), f"[{f(lo)}, {f(hi)}]", "100%", "",
                   *cosines(grads["kl"]))
@@ -487,6 +522,8 @@ def render(record: dict[str, Any], console) -> None:
                   f" * sign(g): {steps}.\n<g_kl, g_nll> by parameter group: {split}.")
     vis = ", ".join(f"{k}: {v['tokens']} tok KL {v['kl_mean']:.3g}" for k, v in record["by_visible"].items())
     console.print(f"fact tokens by (layer, KV head) pairs that see the key: {vis or '-'}")
+    vis = ", ".join(f"{k}: {v['tokens']} tok KL {v['kl_mean']:.3g}" for k, v in record["by_visible_needed"].items())
+    console.print(f"needed-fact tokens by (layer, KV head) pairs that see the key: {vis or '-'}")
 
 
 def default_out(iteration: int) -> Path:
