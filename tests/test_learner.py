@@ -217,14 +217,42 @@ def assert_nothing_written(tmp_path: Path, model_dir: Path, digest: str) -> None
     assert tree_digest(model_dir) == digest  # the previous checkpoint is untouched
 
 
-def test_parity_gate_refuses_corrupted_mask(tmp_path, setup):
+@pytest.mark.parametrize("objective", ["smd", "shadow"])
+def test_fused_parity_gate_trains_as_the_separate_pass(tmp_path, setup, objective):
+    """The gate on the training forward's own log-probs (`learner.parity_from_training_forward`, smd/shadow with
+    one optimizer step) makes the same update as the separate parity pass, and reports the same parity within
+    float32 rounding."""
+    _, model_dir, _, traj, masks = setup
+    runs = {}
+    for separate in (False, True):
+        p = make_params(**{"learner.objective": objective, "learner.parity_from_training_forward": not separate})
+        out = run_learner(p, 1, model_dir, traj, masks, tmp_path / str(separate) / "policy")
+        runs[separate] = (params_of(out["policy"]), json.loads(out["details"].read_text()))
+    (fused_w, fused), (sep_w, sep) = runs[False], runs[True]
+    assert fused["learner/parity_fused"] == 1.0 and sep["learner/parity_fused"] == 0.0
+    assert max_param_diff(fused_w, sep_w) == 0.0  # the parity pass never enters the update
+    for key in ("mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean"):
+        assert fused[key] <= TOL and sep[key] <= TOL
+        assert abs(fused[key] - sep[key]) <= TOL
+    # not fused when the pass serves more: several steps, a recomputed old policy
+    p = make_params(**{"learner.objective": objective, "learner.updates_per_epoch": 2,
+                       "learner.parity_from_training_forward": True})
+    two = run_learner(p, 1, model_dir, traj, masks, tmp_path / "two" / "policy")
+    assert json.loads(two["details"].read_text())["learner/parity_fused"] == 0.0
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_parity_gate_refuses_corrupted_mask(tmp_path, setup, separate):
     root, model_dir, _, traj, masks = setup
     digest = tree_digest(model_dir)
     bad = corrupt_store(masks, tmp_path / "bad.zarr")
     out = tmp_path / "iter-001" / "policy"
     with pytest.raises(SmdInputError, match=r"parity gate: mismatch/logprob_abs_diff_max=.* > tol 0.0001"):
-        run_learner(make_params(), 1, model_dir, traj, bad, out)
+        run_learner(make_params(**{"learner.parity_from_training_forward": not separate}), 1, model_dir, traj, bad,
+                    out)
     assert_nothing_written(tmp_path, model_dir, digest)
+    if separate:
+        return
 
     from cli.main import app
 

@@ -207,6 +207,17 @@ class LearnerParams(BaseModel):
         "reproduce the rollout: off-policy). null = the default of model.dtype (PARITY_TOL_BY_DTYPE: float32 "
         "1e-4, bfloat16 and float16 0.5), set from measured gaps (docs/design.md, section 3).",
     )
+    parity_from_training_forward: bool = Field(
+        False,
+        description="smd's own variant (off: the separate parity pass, as designed): when the parity pass's "
+        "log-probs would serve only the parity gate and the mismatch metrics (smd and shadow, whose old "
+        "log-probs are the rollout's, with one optimizer step per iteration and no reference KL), skip it and "
+        "give the gate the training forward's own log-probs, checked after the backward and before the "
+        "optimizer step: the same update bit for bit, one masked forward less (about 15% of an smd iteration "
+        "on pointer_chasing); the parity figures then come from the training forward's kernels (the "
+        "shared-prefix teacher path), which round differently at float32 eps. Every other case runs the "
+        "separate pass regardless.",
+    )
     resume_optimizer: bool = Field(
         True,
         description="Continue the optimizer state (AdamW moments, step counter, RNG) saved in the starting "

@@ -10,7 +10,10 @@ Flow of `run_learner(...)`, one named step each:
      to train when max |delta| > learner.parity_tol (default per model.dtype) (the mask does not reproduce the sampler: training would
      be silently off-policy). The same numbers are the proximal `old_logp` of naive/tis/sparse_rl (the
      dense learner's log-probs before the first update: naive's ratio is exactly 1 at the first step), and
-     they fix sparse_rl's rejection and its batch-normalisation constant per mini-batch.
+     they fix sparse_rl's rejection and its batch-normalisation constant per mini-batch. When the pass would
+     serve only the gate and the metrics (smd/shadow, one optimizer step, no reference KL) and
+     `learner.parity_from_training_forward` is on, it is skipped: the gate takes the training forward's own log-probs
+     after the backward, before the optimizer step (`fused_parity`; the same update, one forward less).
   3. `train_step` x (epochs x updates_per_epoch): per micro-batch (`micro_step`) the shadow-masked forward
      with gradient (smd, shadow) or the dense one (naive, naive_bypass, dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
@@ -432,14 +435,31 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     all_rows = list(range(len(data)))
     my_rows = all_rows[ctx.rank :: ctx.world]
     old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
-    for r in all_rows:
-        check_finite(f"learner log-probs of trajectory {data.trajectory_ids[r]}", torch.from_numpy(old[r]))
-    parity = batch_mismatch(all_rows, old, data, cfg.tis_cap)
     ref = None
     if run.ref_model is not None:
         place_model(run.ref_model, ctx.device)
         ref = _gather_dict(score_rows(run.ref_model, data, my_rows, **score), ctx)
         run.ref_model = None
+    return old, ref, parity_gate(run, old, t0)
+
+
+def fused_parity(run: LearnerRun) -> bool:
+    """Whether the parity gate takes the training forward's log-probs (`learner.parity_from_training_forward`): only
+    when the separate pass would serve nothing else (old log-probs from the rollout, no row weights or
+    reference from it) and every row is scored once, before the one optimizer step of this learn call."""
+    return (run.cfg.parity_from_training_forward and run.masked and run.spec.old_logp == "rollout"
+            and run.spec.row_weights == "none" and run.ref_model is None and len(run.steps) == 1
+            and sorted(run.steps[0].rows) == list(range(len(run.data))))
+
+
+def parity_gate(run: LearnerRun, logp: dict[int, np.ndarray], t0: float) -> dict[str, float]:
+    """The parity metrics of learner log-probs `logp` (every row, before any optimizer step) against the
+    rollout's; smd/shadow refuse to train when the mask does not reproduce the sampler (SmdInputError)."""
+    cfg, data = run.cfg, run.data
+    all_rows = list(range(len(data)))
+    for r in all_rows:
+        check_finite(f"learner log-probs of trajectory {data.trajectory_ids[r]}", torch.from_numpy(logp[r]))
+    parity = batch_mismatch(all_rows, logp, data, cfg.tis_cap)
     parity["learner/parity_seconds"] = time.perf_counter() - t0
     gap = parity["mismatch/logprob_abs_diff_max"]
     run.say(f"parity: mismatch/logprob_abs_diff_max={gap:.3g} ({'masked' if run.masked else 'dense'} learner, "
@@ -452,13 +472,14 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
             f"learner ({run.policy_path}) and the rollout ({data.trajectories_path}, masks {data.masks_path}); "
             "refusing to train off-policy"
         )
-    return old, ref, parity
+    return parity
 
 
 def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, np.ndarray],
                ref: dict[int, np.ndarray] | None, weights: RowWeights, weight_mean: float | None = None,
                ) -> tuple[dict[str, float], MicroBatch, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Forward (masked and/or dense as the objective needs), objective, backward of one micro-batch scaled by
+    """Forward (masked and/or dense as the objective needs), objective, backward (the caller then calls
+    `engine.step()`, which updates at the last micro-batch of the step) of one micro-batch scaled by
     `weight` (its share of the mini-batch's aggregation denominator; `weights`: the rows' fixed rejection,
     `weight_mean`: sparse_rl's normalisation constant over the whole mini-batch). Returns (loss terms,
     micro-batch, policy log-probs, dense-teacher log-probs or None, per-token entropy)."""
@@ -485,14 +506,14 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     )
     loss, terms = objective_loss(cfg, batch)
     run.engine.backward(loss * (weight * run.ctx.world), scale_wrt_gas=False)
-    run.engine.step()
     return terms, mb, logp, dense_logp, scores["entropy"]
 
 
 def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, np.ndarray],
-               ref: dict[int, np.ndarray] | None) -> dict[str, Any] | None:
+               ref: dict[int, np.ndarray] | None, parity: dict[str, float] | None = None) -> dict[str, Any] | None:
     """One optimizer step over a mini-batch (its micro-batches accumulate); the step's record, or None when the
-    mini-batch has no valid token left."""
+    mini-batch has no valid token left. `parity` (a dict to fill; `fused_parity`): the parity gate and metrics
+    on the step's own log-probs, after the last backward and before the optimizer step."""
     t_step = time.perf_counter()
     denom = weights.denom
     total = float(denom[step.rows].sum())
@@ -504,11 +525,14 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
         group["lr"] = lr
     stats = StepStats()
     weight_mean = weights.weight_mean(step.rows) if run.spec.row_weights == "sparse_rl" else None
-    for rows, real in step.micro:
+    for i, (rows, real) in enumerate(step.micro):
         weight = float(denom[rows].sum()) / total if real else 0.0
         terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weights, weight_mean)
         if real:
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
+        if parity is not None and i == len(step.micro) - 1:  # before the update: the gate may still refuse
+            parity.update(parity_gate(run, _gather_dict(stats.logp, run.ctx), time.perf_counter()))
+        run.engine.step()
     run.global_step += 1
     grad_norm = run.engine.get_global_grad_norm()
     record = stats.reduce(run.ctx, run.data, step.rows, run.cfg.tis_cap)
@@ -566,9 +590,14 @@ def run_learner(
     out_dir = Path(out_dir)
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
     run = setup(params, iteration, Path(policy_path), trajectories_path, masks_path, log)
-    old, ref, parity = parity_pass(run)
+    fused = fused_parity(run)
+    old, ref, parity = ({}, None, {}) if fused else parity_pass(run)
     weights = row_weights(run.data, run.cfg, old)
-    series = [r for r in (train_step(run, step, weights, old, ref) for step in run.steps) if r is not None]
+    series = [r for r in (train_step(run, step, weights, old, ref, parity if fused else None)
+                          for step in run.steps) if r is not None]
+    if fused and not parity:  # the one step was skipped (no valid token): nothing trained, the pass scores
+        parity = parity_pass(run)[2]
+    parity["learner/parity_fused"] = float(fused)
     metrics = _summary(run, parity, series, weights, time.perf_counter() - t_start)
     write_outputs(run, out_dir, metrics_dir, metrics, series)
     return {
