@@ -44,6 +44,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ from schemas.layout import RunLayout
 from schemas.params.learner import LearnerParams
 from schemas.tables import read_table
 from stages.common.model import load_policy, load_tokenizer, resolve_device, response_ids
-from stages.learner.data import build_micro_batch, load_learner_data
+from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.shadow_attention import response_hidden_with_teacher
 
@@ -245,13 +246,122 @@ def _pick_rows(n: int, rows: int, seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(n, size=rows, replace=False).tolist())
 
 
-def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | Path | None = None,
-             eval_prompts: str | Path | None = None, rows: int = 64, eval_rows: int = 64,
-             temperature: float | None = None, micro_batch_size: int = 8, seed: int = 0, device: str = "auto",
-             dtype: str = "float32", backend: str = "sdpa", kl_lambda: float = 0.1,
-             step_lr: float = 3e-5) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How `probe_kl` probes an iteration (the defaults are the CLI's).
+
+    warmstart         the policy of iteration 1 (None: <run>/warmstart/policy); the probed policy is the one that
+                      sampled the iteration, `RunLayout.start_policy(iteration, warmstart)`
+    eval_prompts      the held-out prompts of g_nll (None: the run's data/eval.arrow)
+    rows              trajectory rows to probe (a seeded sample; all of them when the table has fewer)
+    eval_rows         eval prompts of g_nll and of the measured steps (the first ones of the table)
+    temperature       the KL's temperature (None: the rollout's, from the trajectory table's config)
+    micro_batch_size  rows per forward, for the trajectories and the eval prompts alike
+    seed              seed of the row sample and of the bootstrap intervals
+    device, dtype     where and in what precision the policy is loaded (`resolve_device`, `load_policy`)
+    backend           the shadow-masked attention's backend (`response_hidden_with_teacher`)
+    kl_lambda         the smd weight of the KL: g_smd = g_pg + kl_lambda * g_kl
+    step_lr           the size of the measured Adam-like sign steps, -step_lr * sign(g)
+    """
+
+    warmstart: str | Path | None = None
+    eval_prompts: str | Path | None = None
+    rows: int = 64
+    eval_rows: int = 64
+    temperature: float | None = None
+    micro_batch_size: int = 8
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    backend: str = "sdpa"
+    kl_lambda: float = 0.1
+    step_lr: float = 3e-5
+
+    def check(self) -> None:
+        """Raise SmdInputError unless rows, eval_rows and micro_batch_size are all >= 1."""
+        if self.rows < 1 or self.eval_rows < 1 or self.micro_batch_size < 1:
+            raise SmdInputError(f"rows, eval_rows, micro_batch_size: must be >= 1 (got {self.rows}, "
+                                f"{self.eval_rows}, {self.micro_batch_size})")
+
+
+@dataclass(frozen=True)
+class ProbeInputs:
+    """The resolved inputs of one probe: the run's layout, the iteration, and the paths it reads (all exist)."""
+
+    layout: RunLayout
+    iteration: int
+    policy: Path
+    trajectories: Path
+    masks: Path
+    eval_prompts: Path
+
+
+@dataclass
+class ProbeModel:
+    """The probed policy (its tokenizer, device and trainable weights), the iteration's learner data, the KL's
+    temperature and the trajectory rows probed."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    data: LearnerData
+    temperature: float
+    rows: list[int]
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        """The number of trainable weights (the length of every flat gradient)."""
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def n_pairs(self) -> int:
+        """The (layer, KV head) pairs of the policy: the denominator of a key's visible fraction."""
+        cfg = self.model.config
+        return int(cfg.num_hidden_layers * _num_kv_heads(cfg))
+
+
+@dataclass
+class TokenScores:
+    """What the probed rows' forwards give, per row (trajectory-table index): `kl` (the response tokens' KL,
+    float64), per key kind (KEY_KINDS) `classes` (indices into CLASSES) and `visible` (the key's visible
+    fraction, NaN without a key); `positive` (advantage > 0); `grad_sums`, flat gradients of sums of per-token
+    terms over all the rows (`<kind>:<class>`, `adv_pos`, `adv_nonpos`: the KL; `pg`: the GRPO surrogate),
+    divided by their token counts at the end; `parity`, max |masked log-prob - rollout log-prob|; `tokens`,
+    the number of response tokens."""
+
+    rows: list[int]
+    positive: dict[int, bool]
+    tokens: int
+    kl: dict[int, np.ndarray] = field(default_factory=dict)
+    classes: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: {kind: {} for kind in KEY_KINDS})
+    visible: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: {kind: {} for kind in KEY_KINDS})
+    grad_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    parity: float = 0.0
+
+    def add_grad(self, name: str, loss: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        """Add d loss / d params to the gradient sum `name` (the graph is kept for the next term)."""
+        g = flat_grad(loss, params, retain_graph=True)
+        self.grad_sums[name] = self.grad_sums[name] + g if name in self.grad_sums else g
+
+    def class_tokens(self, kind: str, c: int) -> int:
+        """Tokens of class index `c` under key kind `kind`, over all the rows."""
+        return int(sum(int((self.classes[kind][r] == c).sum()) for r in self.rows))
+
+    def side_rows(self, positive: bool) -> list[int]:
+        """The rows whose advantage is > 0 (positive) or <= 0 (not positive)."""
+        return [r for r in self.rows if self.positive[r] == positive]
+
+
+def _num_kv_heads(cfg) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def probe_kl(artifacts: str | Path, iteration: int | None, settings: ProbeSettings | None = None,
+             **options: Any) -> dict[str, Any]:
     """Measure the dense-teacher KL of iteration `iteration` (None: the latest with rollout + compact) of the run
-    under `artifacts`. Returns the record `write_probe` writes:
+    under `artifacts`, as `settings` says (`options`: ProbeSettings fields that override it, e.g. rows=32).
+    Returns the record `write_probe` writes:
 
       kind, schema_version          "kl_probe", 1
       artifacts, iteration, policy, trajectories, masks, eval_prompts   the inputs (paths as strings)
@@ -292,175 +402,283 @@ def probe_kl(artifacts: str | Path, iteration: int | None, *, warmstart: str | P
       seconds                       wall time of the probe
     """
     t0 = time.perf_counter()
+    settings = replace(settings if settings is not None else ProbeSettings(), **options)
+    inputs = resolve_inputs(artifacts, iteration, settings)
+    settings.check()
+    pm = load_probe_model(inputs, settings)
+    scores = score_rows(pm, settings)
+    eval_table = load_eval_prompts(inputs.eval_prompts, settings.eval_rows)
+    nll, g_nll = held_out_nll_and_grad(pm, eval_table, settings.micro_batch_size)
+    directions = update_directions(scores, pm.size, settings.kl_lambda)
+    steps = sign_steps(pm, eval_table, directions, g_nll, nll, settings)
+    gradients = gradient_entries(scores, directions, g_nll, group_slices(pm.model))
+    stats = token_statistics(scores, pm.n_pairs, settings.seed)
+    return probe_record(inputs, pm, settings, scores.parity, len(eval_table), stats, nll, gradients, steps, t0)
+
+
+# ------------------------------------------------------------------------------ the probe's steps
+def resolve_inputs(artifacts: str | Path, iteration: int | None, settings: ProbeSettings) -> ProbeInputs:
+    """The iteration to probe and its input paths; SmdInputError for a missing one."""
     layout = RunLayout(artifacts)
     n = latest_iteration(layout) if iteration is None else int(iteration)
     it = layout.iteration(n)
-    policy = _need(layout.start_policy(n, warmstart), f"the policy that sampled iteration {n}")
+    policy = _need(layout.start_policy(n, settings.warmstart), f"the policy that sampled iteration {n}")
     traj = _need(it.trajectories, f"iteration {n}'s rollout trajectories")
     masks = _need(it.masks, f"iteration {n}'s compacted masks")
-    evals = _need(Path(eval_prompts) if eval_prompts is not None else layout.eval_prompts, "the eval prompts")
-    if rows < 1 or eval_rows < 1 or micro_batch_size < 1:
-        raise SmdInputError(f"rows, eval_rows, micro_batch_size: must be >= 1 (got {rows}, {eval_rows}, "
-                            f"{micro_batch_size})")
+    evals = _need(Path(settings.eval_prompts) if settings.eval_prompts is not None else layout.eval_prompts,
+                  "the eval prompts")
+    return ProbeInputs(layout, n, policy, traj, masks, evals)
 
-    dev = resolve_device(device)
-    model = load_policy(policy, dtype, device=dev)
-    tokenizer = load_tokenizer(policy)
+
+def load_probe_model(inputs: ProbeInputs, settings: ProbeSettings) -> ProbeModel:
+    """Load the policy and tokenizer, the iteration's trajectories with their shadow masks, the KL's temperature
+    and the seeded sample of rows."""
+    dev = resolve_device(settings.device)
+    model = load_policy(inputs.policy, settings.dtype, device=dev)
+    tokenizer = load_tokenizer(inputs.policy)
     cfg = model.config
-    num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    data = load_learner_data(LearnerParams(), traj, masks, cfg.num_hidden_layers, num_kv, need_masks=True)
+    data = load_learner_data(LearnerParams(), inputs.trajectories, inputs.masks, cfg.num_hidden_layers,
+                             _num_kv_heads(cfg), need_masks=True)
+    temperature = settings.temperature
     if temperature is None:
         temperature = float(data.rollout_config.get("rollout", {}).get("temperature", 1.0))
-    picked = _pick_rows(len(data), rows, seed)
+    picked = _pick_rows(len(data), settings.rows, settings.seed)
+    return ProbeModel(model, tokenizer, dev, data, temperature, picked, trainable(model))
 
-    n_pairs = int(cfg.num_hidden_layers * num_kv)
-    params = trainable(model)
-    size = sum(p.numel() for p in params)
-    g_sum: dict[str, torch.Tensor] = {}  # gradients of sums over tokens, divided by their counts at the end
 
-    def add(name: str, loss: torch.Tensor) -> None:
-        g = flat_grad(loss, params, retain_graph=True)
-        g_sum[name] = g_sum[name] + g if name in g_sum else g
+def score_rows(pm: ProbeModel, settings: ProbeSettings) -> TokenScores:
+    """The per-token KL and classes of the probed rows and their gradient sums, one micro-batch at a time."""
+    data = pm.data
+    scores = TokenScores(rows=pm.rows, positive={r: bool(data.advantages[r] > 0) for r in pm.rows},
+                         tokens=int(sum(len(data.response_ids[r]) for r in pm.rows)))
+    for start in range(0, len(pm.rows), settings.micro_batch_size):
+        batch = pm.rows[start: start + settings.micro_batch_size]
+        mb = build_micro_batch(data, batch, masked=True, device=pm.device)
+        out = token_kl(pm.model, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, pm.temperature,
+                       settings.backend)
+        gap = (out["logp"].detach() - mb.rollout_logp).abs()[out["valid"]]
+        scores.parity = max(scores.parity, float(gap.max()) if gap.numel() else 0.0)
+        cls = classify_batch(data, batch, out, mb.evict_at.cpu(), scores)
+        add_batch_gradients(mb, batch, out, cls, pm.params, scores)
+    return scores
 
-    # per key kind (the sampled token's induction key; or, where it has none, the dense teacher's argmax's):
-    # per row the class and visible fraction of each response token
-    cls_of: dict[str, dict[int, np.ndarray]] = {kind: {} for kind in KEY_KINDS}
-    vis_of: dict[str, dict[int, np.ndarray]] = {kind: {} for kind in KEY_KINDS}
-    kl_of: dict[int, np.ndarray] = {}
-    positive = {r: bool(data.advantages[r] > 0) for r in picked}  # rows the update reinforces
-    n_valid = int(sum(len(data.response_ids[r]) for r in picked))
-    parity = 0.0
-    for start in range(0, len(picked), micro_batch_size):
-        batch = picked[start: start + micro_batch_size]
-        mb = build_micro_batch(data, batch, masked=True, device=dev)
-        out = token_kl(model, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, temperature, backend)
-        kl, valid = out["kl"], out["valid"]
-        gap = (out["logp"].detach() - mb.rollout_logp).abs()[valid]
-        parity = max(parity, float(gap.max()) if gap.numel() else 0.0)
-        argmax = out["teacher_argmax"].cpu().numpy()
-        evict_at = mb.evict_at.cpu()
-        cls = {kind: torch.full(kl.shape, -1, dtype=torch.long) for kind in KEY_KINDS}
-        for b, r in enumerate(batch):
-            prompt, response = data.prompt_ids[r], data.response_ids[r]
-            ev = evict_at[:, b].permute(2, 0, 1)[: data.length(r)].numpy()  # [T, L, H]
-            kl_of[r] = kl.detach()[b, : len(response)].double().cpu().numpy()
-            sampled = induction_keys(prompt, response)
-            needed = np.where(sampled >= 0, sampled, induction_keys(prompt, response, argmax[b, : len(response)]))
-            for kind, keys in (("sampled", sampled), ("needed", needed)):
-                vis_of[kind][r] = key_visibility(keys, ev, len(prompt))
-                cls_of[kind][r] = classify(vis_of[kind][r])
-                cls[kind][b, : len(response)] = torch.from_numpy(cls_of[kind][r])
-        for kind in KEY_KINDS:
-            on = cls[kind].to(kl.device)
-            for c in range(len(CLASSES)):
-                sel = (on == c) & valid
-                if bool(sel.any()):
-                    add(f"{kind}:{c}", (kl * sel).sum())
-        side = torch.tensor([positive[r] for r in batch], device=kl.device).unsqueeze(1)
-        for name, sel in (("adv_pos", valid & side), ("adv_nonpos", valid & ~side)):
+
+def row_keys(prompt: Sequence[int], response: Sequence[int], teacher_argmax: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per key kind (KEY_KINDS) the induction key of each response token: `sampled`, the sampled token's;
+    `needed`, the sampled token's where it has one, else the dense teacher's most likely token's."""
+    sampled = induction_keys(prompt, response)
+    needed = np.where(sampled >= 0, sampled, induction_keys(prompt, response, teacher_argmax))
+    return {"sampled": sampled, "needed": needed}
+
+
+def classify_batch(data: LearnerData, batch: list[int], out: dict[str, torch.Tensor], evict_at: torch.Tensor,
+                   scores: TokenScores) -> dict[str, torch.Tensor]:
+    """Record each row's per-token KL, classes and visible fractions in `scores`; per key kind the classes as
+    a [B, R] tensor of the batch (-1 at padding). `evict_at`: the micro-batch's [L, B, H, T] on the host."""
+    kl = out["kl"]
+    argmax = out["teacher_argmax"].cpu().numpy()
+    cls = {kind: torch.full(kl.shape, -1, dtype=torch.long) for kind in KEY_KINDS}
+    for b, r in enumerate(batch):
+        prompt, response = data.prompt_ids[r], data.response_ids[r]
+        ev = evict_at[:, b].permute(2, 0, 1)[: data.length(r)].numpy()  # [T, L, H]
+        scores.kl[r] = kl.detach()[b, : len(response)].double().cpu().numpy()
+        for kind, keys in row_keys(prompt, response, argmax[b, : len(response)]).items():
+            scores.visible[kind][r] = key_visibility(keys, ev, len(prompt))
+            scores.classes[kind][r] = classify(scores.visible[kind][r])
+            cls[kind][b, : len(response)] = torch.from_numpy(scores.classes[kind][r])
+    return cls
+
+
+def add_batch_gradients(mb: MicroBatch, batch: list[int], out: dict[str, torch.Tensor],
+                        cls: dict[str, torch.Tensor], params: list[torch.nn.Parameter], scores: TokenScores) -> None:
+    """Add one micro-batch's gradients of the summed KL per (key kind, class) and per advantage side, and of the
+    GRPO surrogate -sum A * log pi_masked, to `scores.grad_sums`."""
+    kl, valid = out["kl"], out["valid"]
+    for kind in KEY_KINDS:
+        on = cls[kind].to(kl.device)
+        for c in range(len(CLASSES)):
+            sel = (on == c) & valid
             if bool(sel.any()):
-                add(name, (kl * sel).sum())
-        add("pg", -(mb.advantages.unsqueeze(1) * out["logp"] * valid).sum())
+                scores.add_grad(f"{kind}:{c}", (kl * sel).sum(), params)
+    side = torch.tensor([scores.positive[r] for r in batch], device=kl.device).unsqueeze(1)
+    for name, sel in (("adv_pos", valid & side), ("adv_nonpos", valid & ~side)):
+        if bool(sel.any()):
+            scores.add_grad(name, (kl * sel).sum(), params)
+    scores.add_grad("pg", -(mb.advantages.unsqueeze(1) * out["logp"] * valid).sum(), params)
 
-    eval_table = read_table(evals, "prompts").to_pylist()[:eval_rows]
+
+def load_eval_prompts(path: Path, eval_rows: int) -> list[dict[str, Any]]:
+    """The first `eval_rows` rows of the eval prompts table; SmdInputError when there is none."""
+    eval_table = read_table(path, "prompts").to_pylist()[:eval_rows]
     if not eval_table:
-        raise SmdInputError(f"{evals}: no eval prompts (g_nll needs at least one)")
-    g_nll = torch.zeros(size, dtype=torch.float64)
+        raise SmdInputError(f"{path}: no eval prompts (g_nll needs at least one)")
+    return eval_table
 
-    def held_out_nll(grad: bool) -> float:
-        total = 0.0
-        for start in range(0, len(eval_table), micro_batch_size):
-            part = eval_table[start: start + micro_batch_size]
-            with torch.enable_grad() if grad else torch.no_grad():
-                loss = reference_nll_sum(model, tokenizer, [p["prompt_token_ids"] for p in part],
-                                         [p["reference"] for p in part]) / len(eval_table)
-            total += float(loss.detach())
-            if grad:
-                g_nll.add_(flat_grad(loss, params))
-        return total
 
-    nll_total = held_out_nll(grad=True)
+def held_out_nll(pm: ProbeModel, eval_table: list[dict[str, Any]], micro_batch_size: int,
+                 g_nll: torch.Tensor | None = None) -> float:
+    """The dense policy's mean reference NLL on `eval_table` (nats / answer); with `g_nll`, its gradient
+    (flat, float64) is added into it."""
+    total = 0.0
+    for start in range(0, len(eval_table), micro_batch_size):
+        part = eval_table[start: start + micro_batch_size]
+        with torch.enable_grad() if g_nll is not None else torch.no_grad():
+            loss = reference_nll_sum(pm.model, pm.tokenizer, [p["prompt_token_ids"] for p in part],
+                                     [p["reference"] for p in part]) / len(eval_table)
+        total += float(loss.detach())
+        if g_nll is not None:
+            g_nll.add_(flat_grad(loss, pm.params))
+    return total
+
+
+def held_out_nll_and_grad(pm: ProbeModel, eval_table: list[dict[str, Any]],
+                          micro_batch_size: int) -> tuple[float, torch.Tensor]:
+    """(the held-out reference NLL, its gradient g_nll)."""
+    g_nll = torch.zeros(pm.size, dtype=torch.float64)
+    return held_out_nll(pm, eval_table, micro_batch_size, g_nll), g_nll
+
+
+def update_directions(scores: TokenScores, size: int, kl_lambda: float) -> dict[str, torch.Tensor]:
+    """The mean-over-tokens gradients a step would follow: kl (the KL over all tokens), pg (the GRPO
+    surrogate) and smd (pg + kl_lambda * kl)."""
     zero = torch.zeros(size, dtype=torch.float64)
+    n_tok = max(scores.tokens, 1)
+    g_all = sum((scores.grad_sums.get(f"sampled:{c}", zero) for c in range(len(CLASSES))), zero) / n_tok
+    g_pg = scores.grad_sums["pg"] / n_tok
+    return {"kl": g_all, "pg": g_pg, "smd": g_pg + kl_lambda * g_all}
 
-    def mean_grad(name: str, count: int) -> torch.Tensor | None:
-        return g_sum.get(name, zero) / count if count else None
 
-    n_tok = n_valid
-    g_all = sum((g_sum.get(f"sampled:{c}", zero) for c in range(len(CLASSES))), zero) / max(n_tok, 1)
-    g_pg = g_sum["pg"] / max(n_tok, 1)
-    g_smd = g_pg + kl_lambda * g_all
-    slices = group_slices(model)
-
-    def grad_entry(g: torch.Tensor | None) -> dict[str, Any]:
-        if g is None:
-            return {"norm": None, "dot_with_nll": None, "cosine_with_nll": None, "sign_cosine_with_nll": None,
-                    "dot_by_group": None}
-        return {"norm": float(g.norm()), "dot_with_nll": float(g @ g_nll), "cosine_with_nll": _num(cosine(g, g_nll)),
-                "sign_cosine_with_nll": _num(cosine(torch.sign(g), g_nll)), "dot_by_group": group_dots(g, g_nll, slices)}
-
+def sign_steps(pm: ProbeModel, eval_table: list[dict[str, Any]], directions: dict[str, torch.Tensor],
+               g_nll: torch.Tensor, nll: float, settings: ProbeSettings) -> dict[str, dict[str, float]]:
+    """Per direction g, the held-out NLL after the sign step -step_lr * sign(g) (the weights are restored after
+    each): nll_after, measured_change (from `nll`) and predicted_change (first order)."""
     steps = {}
-    for name, g in (("kl", g_all), ("pg", g_pg), ("smd", g_smd)):
-        step = torch.sign(g) * step_lr
+    for name, g in directions.items():
+        step = torch.sign(g) * settings.step_lr
         with torch.no_grad():
-            saved = [p.detach().clone() for p in params]
+            saved = [p.detach().clone() for p in pm.params]
             at = 0
-            for p in params:
+            for p in pm.params:
                 p.sub_(step[at: at + p.numel()].view_as(p).to(p.dtype).to(p.device))
                 at += p.numel()
-            after = held_out_nll(grad=False)
-            for p, v in zip(params, saved):
+            after = held_out_nll(pm, eval_table, settings.micro_batch_size)
+            for p, v in zip(pm.params, saved):
                 p.copy_(v)
-        steps[name] = {"nll_after": after, "measured_change": after - nll_total,
-                       "predicted_change": -step_lr * float(torch.sign(g) @ g_nll)}
+        steps[name] = {"nll_after": after, "measured_change": after - nll,
+                       "predicted_change": -settings.step_lr * float(torch.sign(g) @ g_nll)}
+    return steps
 
-    total_kl = float(sum(kl_of[r].sum() for r in picked))
-    gradients = {"kl": grad_entry(g_all), "pg": grad_entry(g_pg), "smd": grad_entry(g_smd),
-                 "nll": {"norm": float(g_nll.norm())}}
-    classes: dict[str, dict[str, Any]] = {}
-    by_visible: dict[str, dict[str, dict[str, Any]]] = {}
+
+def grad_entry(g: torch.Tensor | None, g_nll: torch.Tensor, slices: dict[str, list[tuple[int, int]]]) -> dict[str, Any]:
+    """A gradient's record entry: its norm, <g, g_nll>, cos(g, g_nll), cos(sign g, g_nll) and <g, g_nll> by
+    parameter group; all null for None (a class without tokens)."""
+    if g is None:
+        return {"norm": None, "dot_with_nll": None, "cosine_with_nll": None, "sign_cosine_with_nll": None,
+                "dot_by_group": None}
+    return {"norm": float(g.norm()), "dot_with_nll": float(g @ g_nll), "cosine_with_nll": _num(cosine(g, g_nll)),
+            "sign_cosine_with_nll": _num(cosine(torch.sign(g), g_nll)), "dot_by_group": group_dots(g, g_nll, slices)}
+
+
+def gradient_entries(scores: TokenScores, directions: dict[str, torch.Tensor], g_nll: torch.Tensor,
+                     slices: dict[str, list[tuple[int, int]]]) -> dict[str, dict[str, Any]]:
+    """The record's `gradients`: kl, pg, smd, nll, kl_<class>, kl_needed_<class>, kl_adv_pos, kl_adv_nonpos
+    (each gradient sum divided by its token count)."""
+    zero = torch.zeros_like(g_nll)
+
+    def mean_grad(name: str, count: int) -> torch.Tensor | None:
+        return scores.grad_sums.get(name, zero) / count if count else None
+
+    gradients = {name: grad_entry(g, g_nll, slices) for name, g in directions.items()}
+    gradients["nll"] = {"norm": float(g_nll.norm())}
     for kind in KEY_KINDS:
-        table = classes.setdefault(kind, {})
-        sums = np.array([[kl_of[r][cls_of[kind][r] == c].sum() for c in range(len(CLASSES))] for r in picked])
-        counts = np.array([[int((cls_of[kind][r] == c).sum()) for c in range(len(CLASSES))] for r in picked])
         for c, name in enumerate(CLASSES):
-            tok = int(counts[:, c].sum())
-            vis = np.concatenate([vis_of[kind][r][cls_of[kind][r] == c] for r in picked]) if tok else np.zeros(0)
-            table[name] = {
-                "tokens": tok,
-                "rows": int((counts[:, c] > 0).sum()),
-                "kl_mean": _num(float(sums[:, c].sum()) / tok) if tok else None,
-                "kl_ci95": [_num(x) for x in bootstrap_ratio(sums[:, c], counts[:, c], seed=seed)] if tok else None,
-                "kl_share": _num(float(sums[:, c].sum()) / total_kl) if total_kl > 0 else None,
-                "visible_mean": (_num(float(np.mean(vis))) if c != NO_FACT else None) if tok else None,
-            }
-            gradients[f"kl_{name}" if kind == "sampled" else f"kl_{kind}_{name}"] = grad_entry(
-                mean_grad(f"{kind}:{c}", tok))
-        by_visible[kind] = {}
-        for i in range(n_pairs + 1):
-            vals = np.concatenate([kl_of[r][(cls_of[kind][r] != NO_FACT) & (np.round(vis_of[kind][r] * n_pairs) == i)]
-                                   for r in picked])
-            if len(vals):
-                by_visible[kind][f"{i}/{n_pairs}"] = {"tokens": int(len(vals)), "kl_mean": float(vals.mean())}
-    by_advantage = {}
-    for side, want in (("pos", True), ("nonpos", False)):
-        mine = [r for r in picked if positive[r] == want]
-        tok = int(sum(len(kl_of[r]) for r in mine))
-        by_advantage[side] = {"rows": len(mine), "tokens": tok,
-                              "kl_mean": float(sum(kl_of[r].sum() for r in mine)) / tok if tok else None}
-        gradients[f"kl_adv_{side}"] = grad_entry(mean_grad(f"adv_{side}", tok))
-    all_sums = np.array([kl_of[r].sum() for r in picked])
-    all_counts = np.array([len(kl_of[r]) for r in picked])
+            key = f"kl_{name}" if kind == "sampled" else f"kl_{kind}_{name}"
+            gradients[key] = grad_entry(mean_grad(f"{kind}:{c}", scores.class_tokens(kind, c)), g_nll, slices)
+    for side, positive in (("pos", True), ("nonpos", False)):
+        tok = int(sum(len(scores.kl[r]) for r in scores.side_rows(positive)))
+        gradients[f"kl_adv_{side}"] = grad_entry(mean_grad(f"adv_{side}", tok), g_nll, slices)
+    return gradients
+
+
+# ------------------------------------------------------------------------------ the per-class statistics
+def class_statistics(scores: TokenScores, kind: str, seed: int, total_kl: float) -> dict[str, dict[str, Any]]:
+    """Per class under key kind `kind`: tokens, rows, kl_mean, kl_ci95 (bootstrap over rows), kl_share (of
+    `total_kl`), visible_mean (null for no_fact and for a class without tokens)."""
+    rows, kl, cls, visible = scores.rows, scores.kl, scores.classes[kind], scores.visible[kind]
+    sums = np.array([[kl[r][cls[r] == c].sum() for c in range(len(CLASSES))] for r in rows])
+    counts = np.array([[int((cls[r] == c).sum()) for c in range(len(CLASSES))] for r in rows])
+    table: dict[str, dict[str, Any]] = {}
+    for c, name in enumerate(CLASSES):
+        tok = int(counts[:, c].sum())
+        vis = np.concatenate([visible[r][cls[r] == c] for r in rows]) if tok else np.zeros(0)
+        table[name] = {
+            "tokens": tok,
+            "rows": int((counts[:, c] > 0).sum()),
+            "kl_mean": _num(float(sums[:, c].sum()) / tok) if tok else None,
+            "kl_ci95": [_num(x) for x in bootstrap_ratio(sums[:, c], counts[:, c], seed=seed)] if tok else None,
+            "kl_share": _num(float(sums[:, c].sum()) / total_kl) if total_kl > 0 else None,
+            "visible_mean": (_num(float(np.mean(vis))) if c != NO_FACT else None) if tok else None,
+        }
+    return table
+
+
+def visibility_statistics(scores: TokenScores, kind: str, n_pairs: int) -> dict[str, dict[str, Any]]:
+    """Fact tokens (a key under `kind`) by how many of the `n_pairs` (layer, KV head) pairs see the key:
+    {"i/n_pairs": {tokens, kl_mean}}, for the counts i that occur."""
+    cls, visible = scores.classes[kind], scores.visible[kind]
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(n_pairs + 1):
+        vals = np.concatenate([scores.kl[r][(cls[r] != NO_FACT) & (np.round(visible[r] * n_pairs) == i)]
+                               for r in scores.rows])
+        if len(vals):
+            out[f"{i}/{n_pairs}"] = {"tokens": int(len(vals)), "kl_mean": float(vals.mean())}
+    return out
+
+
+def advantage_statistics(scores: TokenScores) -> dict[str, dict[str, Any]]:
+    """Rows by the sign of their advantage (pos: A > 0, nonpos: A <= 0): rows, tokens, kl_mean."""
+    out = {}
+    for side, positive in (("pos", True), ("nonpos", False)):
+        mine = scores.side_rows(positive)
+        tok = int(sum(len(scores.kl[r]) for r in mine))
+        out[side] = {"rows": len(mine), "tokens": tok,
+                     "kl_mean": float(sum(scores.kl[r].sum() for r in mine)) / tok if tok else None}
+    return out
+
+
+def token_statistics(scores: TokenScores, n_pairs: int, seed: int) -> dict[str, Any]:
+    """The record's KL statistics: tokens, kl_mean, kl_ci95 (all tokens), classes, classes_needed, by_visible,
+    by_visible_needed, by_advantage."""
+    rows = scores.rows
+    total_kl = float(sum(scores.kl[r].sum() for r in rows))
+    n_tok = scores.tokens
+    all_sums = np.array([scores.kl[r].sum() for r in rows])
+    all_counts = np.array([len(scores.kl[r]) for r in rows])
     return {
-        "kind": KIND, "schema_version": SCHEMA_VERSION,
-        "artifacts": str(layout.artifacts), "iteration": n, "policy": str(policy), "trajectories": str(traj),
-        "masks": str(masks), "eval_prompts": str(evals), "temperature": temperature, "rows": picked,
-        "eval_rows": len(eval_table), "parity_logprob_abs_diff_max": parity,
         "tokens": n_tok, "kl_mean": _num(total_kl / n_tok) if n_tok else None,
         "kl_ci95": [_num(x) for x in bootstrap_ratio(all_sums, all_counts, seed=seed)],
-        "classes": classes["sampled"], "classes_needed": classes["needed"],
-        "by_visible": by_visible["sampled"], "by_visible_needed": by_visible["needed"],
-        "by_advantage": by_advantage, "reference_nll": nll_total, "kl_lambda": kl_lambda,
-        "step_lr": step_lr, "gradients": gradients, "steps": steps,
+        "classes": class_statistics(scores, "sampled", seed, total_kl),
+        "classes_needed": class_statistics(scores, "needed", seed, total_kl),
+        "by_visible": visibility_statistics(scores, "sampled", n_pairs),
+        "by_visible_needed": visibility_statistics(scores, "needed", n_pairs),
+        "by_advantage": advantage_statistics(scores),
+    }
+
+
+# ------------------------------------------------------------------------------ the record
+def probe_record(inputs: ProbeInputs, pm: ProbeModel, settings: ProbeSettings, parity: float, eval_rows: int,
+                 stats: dict[str, Any], nll: float, gradients: dict[str, dict[str, Any]],
+                 steps: dict[str, dict[str, float]], t0: float) -> dict[str, Any]:
+    """The record `probe_kl` returns (fields in its docstring, in that order); `seconds` since `t0`."""
+    return {
+        "kind": KIND, "schema_version": SCHEMA_VERSION,
+        "artifacts": str(inputs.layout.artifacts), "iteration": inputs.iteration, "policy": str(inputs.policy),
+        "trajectories": str(inputs.trajectories), "masks": str(inputs.masks),
+        "eval_prompts": str(inputs.eval_prompts), "temperature": pm.temperature, "rows": pm.rows,
+        "eval_rows": eval_rows, "parity_logprob_abs_diff_max": parity,
+        **stats,
+        "reference_nll": nll, "kl_lambda": settings.kl_lambda, "step_lr": settings.step_lr,
+        "gradients": gradients, "steps": steps,
         "seconds": time.perf_counter() - t0,
     }
 
