@@ -17,12 +17,14 @@ AdvantageScale = Literal["std", "none"]
 RefKlKind = Literal["k1", "k2", "k3"]
 TisLevel = Literal["token", "sequence"]
 AttentionBackend = Literal["auto", "sdpa", "flex", "tiled"]
+KlTokens = Literal["all", "keyed", "no_eos"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
 REF_KL_KINDS: tuple[str, ...] = get_args(RefKlKind)
 TIS_LEVELS: tuple[str, ...] = get_args(TisLevel)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+KL_TOKENS: tuple[str, ...] = get_args(KlTokens)
 
 
 # The parity gate's default per model dtype (learner.parity_tol null). Measured max |learner - rollout log-prob| of
@@ -48,6 +50,20 @@ class LearnerParams(BaseModel):
         "TIS); sparse_rl = dense learner with Sparse-RL's rejection and reweighting (official configuration).",
     )
     kl_lambda: float = Field(0.1, ge=0.0, description="Weight of KL(sg[pi_dense] || pi_masked) in `smd`.")
+    kl_tokens: KlTokens = Field(
+        "all",
+        description=f"Where `smd`'s dense-teacher KL applies, one of {KL_TOKENS} (the policy term is unchanged): "
+        "all = every response token (the SMD paper); no_eos = every response token but EOS (the tokenizer's "
+        "eos_token_id, the token the rollout stops at); keyed = only the response tokens with an induction key in "
+        "the prompt (a position k with prompt[k] = the token and prompt[k-1] = the token before it) for the "
+        "sampled token or for the dense teacher's most likely token there (`stages.learner.kl_tokens`; the "
+        "`classes_needed` rule of `smdctl probe-kl`). The probe (stages/tools/kl_probe.py, issue 22 item 5) found "
+        "on pointer_chasing that the KL on tokens without a key (EOS, separators, wrong hops) has a gradient "
+        "anti-aligned with the dense policy's held-out reference NLL (cosine -0.2 to -0.6, growing over "
+        "iterations), the keyed part's near-orthogonal. The KL is aggregated with `loss_agg` over the selected "
+        "tokens only (token_mean: their mean, so each selected token weighs 1 / fraction more than under all), "
+        "per micro-batch (0 when a micro-batch has none); `kl/token_fraction` logs the fraction selected.",
+    )
     lr: float = Field(
         3e-5, gt=0, description="AdamW learning rate (after warm-up). 3e-5 on the tiny default model: 1e-4 and "
         "above let noise from one batch undo the previous steps (held-out reference NLL rises after a few "

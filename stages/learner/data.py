@@ -150,6 +150,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [B]
     evict_at: torch.Tensor | None = None  # [L, B, H, T]
     block_masks: list | None = None  # flex backend: one BlockMask per layer
+    kl_mask: torch.Tensor | None = None  # [B, R] bool: the tokens smd's teacher KL applies to (set by micro_step)
 
     @property
     def num_tokens(self) -> int:

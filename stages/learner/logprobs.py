@@ -71,14 +71,16 @@ def _log_softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
 
 class _ChunkedScores(torch.autograd.Function):
     """(hidden [N, D], weight [V, D], bias [V] | None, targets [N], teacher [N, D] | None) ->
-    logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N]; gradients for hidden, weight, bias.
-    Two [chunk, V] float32 buffers per call, reused by every chunk; everything else in place on them."""
+    logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N], teacher_argmax [N] (int64, zeros
+    without teacher); gradients for hidden, weight, bias. Two [chunk, V] float32 buffers per call, reused by every
+    chunk; everything else in place on them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher, temperature: float, chunk: int):
         N, V = hidden.shape[0], weight.shape[0]
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         kl, entropy, teacher_logp, lse, teacher_lse = (torch.zeros_like(logp) for _ in range(5))
+        teacher_argmax = torch.zeros(N, dtype=torch.long, device=hidden.device)
         rows = min(chunk, max(N, 1))
         buf_q, buf_p = (torch.empty(rows, V, dtype=torch.float32, device=hidden.device) for _ in range(2))
         with torch.no_grad():
@@ -90,8 +92,9 @@ class _ChunkedScores(torch.autograd.Function):
                 q = torch.exp(log_q, out=buf_p[: b - a])
                 entropy[a:b] = -_rowdot(q, log_q)
                 if teacher is not None:  # two buffers in all: log q is overwritten by log p - log q
-                    log_p, teacher_lse[a:b] = _log_softmax_(_logits_into(buf_p, teacher[a:b], weight, bias,
-                                                                         temperature))
+                    z_p = _logits_into(buf_p, teacher[a:b], weight, bias, temperature)
+                    teacher_argmax[a:b] = z_p.argmax(-1)  # on the logits (the log-softmax's shift may round ties)
+                    log_p, teacher_lse[a:b] = _log_softmax_(z_p)
                     teacher_logp[a:b] = log_p.gather(-1, tgt).squeeze(-1)
                     log_ratio = torch.sub(log_p, log_q, out=log_q)
                     # sum_v p (log p - log q); log-probs of finite logits are finite, so p = 0 adds exactly 0
@@ -99,10 +102,10 @@ class _ChunkedScores(torch.autograd.Function):
         # the log-sum-exps let the backward rebuild q and p from the logits alone (no second reduction)
         ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse, teacher_lse)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy, teacher_logp)
-        return logp, kl, entropy, teacher_logp
+        ctx.mark_non_differentiable(entropy, teacher_logp, teacher_argmax)
+        return logp, kl, entropy, teacher_logp, teacher_argmax
     @staticmethod
-    def backward(ctx, g_logp, g_kl, _g_entropy, _g_teacher):
+    def backward(ctx, g_logp, g_kl, _g_entropy, _g_teacher, _g_argmax):
         hidden, weight, bias, targets, teacher, lse, teacher_lse = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         N, V = hidden.shape[0], weight.shape[0]
@@ -155,8 +158,10 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
       kl            [B, R] KL(sg[pi_teacher] || pi) over the full vocabulary (with gradient; only with a teacher)
       entropy       [B, R] entropy of softmax(logits / temperature) (no gradient)
       teacher_logp  [B, R] the teacher's log-probs at `targets` (no gradient; only with a teacher)
+      teacher_argmax [B, R] int64: the teacher's most likely token (argmax of its logits, taken per chunk: no
+                    [B, R, V] tensor; only with a teacher; `learner.kl_tokens=keyed` reads it)
 
-    All float32, 0 at invalid positions (only the valid ones are computed)."""
+    float32 but teacher_argmax, 0 at invalid positions (only the valid ones are computed)."""
     if temperature <= 0:
         raise SmdInputError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
@@ -174,7 +179,7 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
             raise SmdInputError(f"teacher_hidden: shape {tuple(teacher_hidden.shape)} does not match hidden "
                                 f"{tuple(hidden.shape)}")
         th = teacher_hidden.detach().reshape(B * R, D).index_select(0, index)
-    logp, kl, entropy, teacher_logp = _ChunkedScores.apply(h, head.weight, head.bias, tgt, th, float(temperature),
+    logp, kl, entropy, teacher_logp, teacher_argmax = _ChunkedScores.apply(h, head.weight, head.bias, tgt, th, float(temperature),
                                                            int(chunk_tokens))
 
     def scatter(values: Tensor) -> Tensor:
@@ -185,4 +190,5 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
     if th is not None:
         out["kl"] = scatter(kl)
         out["teacher_logp"] = scatter(teacher_logp)
+        out["teacher_argmax"] = scatter(teacher_argmax)
     return out

@@ -14,7 +14,8 @@ Objectives (docs/design.md section 7, each matched to its source). Each is one f
 `register_objective(name, ...)` (verl's `POLICY_LOSS_REGISTRY` pattern), taking the validated `LearnerParams`
 and an `ObjectiveBatch`, with an `ObjectiveSpec` of what the learner runs for it; `objective_loss(params,
 batch)` dispatches on `params.objective`:
-- smd:          pg(masked_logp vs rollout_logp) + kl_lambda * KL(sg[pi_dense] || pi_masked)
+- smd:          pg(masked_logp vs rollout_logp) + kl_lambda * KL(sg[pi_dense] || pi_masked), the KL over the
+                tokens of `learner.kl_tokens` (`ObjectiveBatch.kl_mask`; all response tokens by default)
 - shadow:       pg(masked_logp vs rollout_logp)                     (no dense pass)
 - naive:        pg(dense_logp vs old_logp), old = the dense learner's log-probs before the first update (ratio 1
                 at the first step), the rollout/learner mismatch ignored: what a framework (verl, slime, OpenRLHF
@@ -49,6 +50,7 @@ __all__ = [
     "OBJECTIVES",
     "LOSS_AGGS",
     "LOSS_TERMS",
+    "KL_TOKEN_FRACTION",
     "ObjectiveBatch",
     "ObjectiveSpec",
     "OBJECTIVE_REGISTRY",
@@ -75,6 +77,9 @@ __all__ = [
 # The loss terms every objective returns (python floats), under the names the learner logs (learn/steps.json,
 # details.json): the policy term, smd's dense-teacher KL, the reference KL, and their weighted sum.
 LOSS_TERMS = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total")
+# The fraction of the valid response tokens smd's dense-teacher KL applied to (`learner.kl_tokens`, `kl_mask`),
+# logged per step when the learner runs the teacher (1.0 for `all`).
+KL_TOKEN_FRACTION = "kl/token_fraction"
 
 # exp() of a log-ratio beyond this overflows float32 soon after; verl clamps at the same value.
 _LOG_RATIO_CLAMP = 20.0
@@ -499,6 +504,9 @@ class ObjectiveBatch:
       kl_per_token   [B, T] KL(sg[pi_dense] || pi_masked) per response token (with gradient), computed from the
                      hidden states in token chunks (`stages.learner.logprobs.chunked_token_scores`): smd's teacher
                      term (needed when kl_lambda > 0); for smd at kl_lambda 0 and shadow only logged.
+      kl_mask        [B, T] the tokens the KL applies to (`learner.kl_tokens`, `stages.learner.kl_tokens`), within
+                     `mask`; None = every valid token (`all`, the paper). The KL is aggregated (`loss_agg`) over
+                     mask & kl_mask only: token_mean = its mean over the selected tokens, 0 when there is none.
       old_logp       [B, T] proximal policy for the ratio; None = the spec's `old_logp`: the rollout's log-probs,
                      or the policy log-probs detached ("recomputed": ratio 1). The learner passes the parity
                      pass's log-probs for "recomputed", the reference across several updates per batch.
@@ -515,6 +523,7 @@ class ObjectiveBatch:
     masked_logp: Tensor | None = None
     dense_logp: Tensor | None = None
     kl_per_token: Tensor | None = None
+    kl_mask: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
     sparse_rl_rejection: tuple[Tensor, Tensor] | None = None
@@ -622,17 +631,24 @@ def _clipped_pg(params: LearnerParams, logp: Tensor, old: Tensor, batch: Objecti
                        token_weights=token_weights, dual_clip_c=params.dual_clip_c)
 
 
+def _kl_valid(batch: ObjectiveBatch, valid: Tensor) -> Tensor:
+    """The tokens the dense-teacher KL is aggregated over: the valid ones, within `kl_mask` when given."""
+    if batch.kl_mask is None:
+        return valid
+    return valid & _valid(batch.kl_mask, valid, "kl_mask")
+
+
 def _teacher_kl(name: str, batch: ObjectiveBatch, valid: Tensor, loss_agg: str) -> Tensor:
     _need(name, kl_per_token=batch.kl_per_token)
     _same_shape("kl_per_token", batch.kl_per_token, batch.rollout_logp, "rollout_logp")
-    return aggregate(batch.kl_per_token, valid, loss_agg)
+    return aggregate(batch.kl_per_token, _kl_valid(batch, valid), loss_agg)
 
 
 def _logged_teacher_kl(batch: ObjectiveBatch, valid: Tensor, loss_agg: str) -> float:
     """The dense-teacher KL when given, logged only (no gradient); 0 without it."""
     if batch.kl_per_token is None:
         return 0.0
-    return float(aggregate(batch.kl_per_token.detach(), valid, loss_agg))
+    return float(aggregate(batch.kl_per_token.detach(), _kl_valid(batch, valid), loss_agg))
 
 
 def _finish(name: str, params: LearnerParams, batch: ObjectiveBatch, logp: Tensor, valid: Tensor, pg: Tensor,
@@ -659,7 +675,8 @@ def _weighted(name: str, params: LearnerParams, batch: ObjectiveBatch, logp: Ten
 # ------------------------------------------------------------------------------------------- objectives
 @register_objective("smd", masked_forward=True, old_logp="rollout", dense_teacher=True)
 def smd_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
-    """GRPO on the shadow-masked policy (old = the rollout) + kl_lambda * KL(sg[pi_dense] || pi_masked)."""
+    """GRPO on the shadow-masked policy (old = the rollout) + kl_lambda * KL(sg[pi_dense] || pi_masked), the KL
+    over the valid tokens within `batch.kl_mask` (`learner.kl_tokens`; all of them when None)."""
     logp, old, valid = _policy_inputs("smd", batch)
     pg, stats = _clipped_pg(params, logp, old, batch, valid)
     agg = loss_agg_for(params)

@@ -18,6 +18,8 @@ Flow of `run_learner(...)`, one named step each:
      with gradient (smd, shadow) or the dense one (naive, naive_bypass, dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
      prompt, prefilled densely) are the same for both and run once (`response_hidden_with_teacher`; log-probs, entropy and the teacher KL from the final hidden states in token chunks, `chunked_token_scores`);
+     smd's KL on the tokens of learner.kl_tokens (`stages.learner.kl_tokens`: all, no_eos, keyed; the mask built
+     here per micro-batch, keyed from the teacher's argmax of the chunked scoring);
      `objective_loss` (the objective registered under learner.objective). Each micro-batch loss is weighted
      by its share of the mini-batch's aggregation denominator (valid kept tokens for token_mean, sequences for the seq_mean_* modes) so that the accumulated
      gradient over micro-batches and processes equals the gradient of the objective on the whole mini-batch.
@@ -68,9 +70,11 @@ from stages.learner.deepspeed_runtime import (
     make_engine,
     save_trainer_state,
 )
+from stages.learner.kl_tokens import kl_token_mask
 from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
 from stages.learner.mismatch import check_finite, mismatch_metrics
 from stages.learner.objectives import (
+    KL_TOKEN_FRACTION,
     LOSS_TERMS,
     ObjectiveBatch,
     ObjectiveSpec,
@@ -282,6 +286,7 @@ class StepStats:
         self.tokens = 0
         self.entropy_sum = 0.0
         self.response_tokens = 0
+        self.kl_tokens: int | None = None  # valid tokens the teacher KL applied to (None: no teacher KL)
 
     def add(self, terms: dict[str, float], weight: float, mb: MicroBatch, logp: torch.Tensor,
             dense_logp: torch.Tensor | None, entropy: torch.Tensor) -> None:
@@ -301,19 +306,24 @@ class StepStats:
         self.tokens += sum(mb.prompt_lens) + sum(mb.resp_lens)
         self.entropy_sum += float(entropy[mb.valid].sum())
         self.response_tokens += int(mb.valid.sum())
+        if mb.kl_mask is not None:
+            self.kl_tokens = (self.kl_tokens or 0) + int((mb.kl_mask & mb.valid).sum())
 
     def reduce(self, ctx: DistContext, data: LearnerData, rows: list[int], cap: float) -> dict[str, float]:
         parts = _gather((self.weighted, self.ratio_min, self.ratio_max, self.logp, self.dense_logp, self.tokens,
-                         self.entropy_sum, self.response_tokens), ctx)
+                         self.entropy_sum, self.response_tokens, self.kl_tokens), ctx)
         weighted: dict[str, float] = {}
         logp: dict[int, np.ndarray] = {}
         dense: dict[int, np.ndarray] = {}
         rmin, rmax, tokens, ent_sum, resp_tokens = math.inf, -math.inf, 0, 0.0, 0
-        for w, lo, hi, lp, dl, tok, es, rt in parts:
+        kl_tokens: int | None = None
+        for w, lo, hi, lp, dl, tok, es, rt, kt in parts:
             for k, v in w.items():
                 weighted[k] = weighted.get(k, 0.0) + v
             rmin, rmax, tokens = min(rmin, lo), max(rmax, hi), tokens + tok
             ent_sum, resp_tokens = ent_sum + es, resp_tokens + rt
+            if kt is not None:
+                kl_tokens = (kl_tokens or 0) + kt
             logp.update(lp)
             dense.update(dl)
         step_rewards = torch.from_numpy(data.rewards[rows])
@@ -336,6 +346,8 @@ class StepStats:
         }
         if "is_weight/mean" in weighted:
             out["is_weight/mean"] = weighted["is_weight/mean"]
+        if kl_tokens is not None:  # the fraction of the step's valid response tokens the teacher KL applied to
+            out[KL_TOKEN_FRACTION] = kl_tokens / resp_tokens if resp_tokens else 0.0
         out.update(batch_mismatch(rows, logp, data, cap))
         if dense:
             d = batch_mismatch(rows, dense, data, cap)
@@ -394,6 +406,9 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     tokenizer = load_tokenizer(policy_path)
+    if cfg.kl_tokens == "no_eos" and tokenizer.eos_token_id is None:
+        raise SmdInputError(f"learner.kl_tokens=no_eos: the tokenizer of {policy_path} has no eos_token (the "
+                            "token the KL would skip)")
     model = load_policy(policy_path, params.model.dtype)
     mcfg = model.config
     num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
@@ -497,9 +512,16 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
         else:
             scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
     logp, dense_logp = scores["logp"], scores.get("teacher_logp")
+    if run.teacher:  # the tokens the teacher KL applies to (learner.kl_tokens; every valid one for `all`)
+        mb.kl_mask = mb.valid if cfg.kl_tokens == "all" else kl_token_mask(
+            cfg.kl_tokens, [run.data.prompt_ids[r] for r in rows], [run.data.response_ids[r] for r in rows],
+            mb.valid.shape[1], eos_token_id=run.tokenizer.eos_token_id,
+            teacher_argmax=scores["teacher_argmax"] if cfg.kl_tokens == "keyed" else None,
+        ).to(mb.valid.device)
     batch = ObjectiveBatch(
         advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
         masked_logp=logp if masked else None, dense_logp=None if masked else logp, kl_per_token=scores.get("kl"),
+        kl_mask=mb.kl_mask,
         old_logp=_rows_tensor(rows, old, mb) if run.spec.old_logp == "recomputed" else None,
         ref_logp=_rows_tensor(rows, ref, mb) if ref is not None else None,
         sparse_rl_rejection=weights.rejection_of(mb), sparse_rl_weight_mean=weight_mean,
@@ -658,7 +680,7 @@ def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], weig
     if ctx.device.type == "cuda":
         out["learner/peak_device_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
     keys = (*LOSS_TERMS, "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "grad_norm",
-            "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac")
+            "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac", KL_TOKEN_FRACTION)
     for key in keys:
         values = [s[key] for s in series if key in s and math.isfinite(s[key])]
         if values:

@@ -58,6 +58,7 @@ from schemas.params.learner import LearnerParams
 from schemas.tables import read_table
 from stages.common.model import load_policy, load_tokenizer, resolve_device, response_ids
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
+from stages.learner.kl_tokens import induction_keys
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
 from stages.learner.shadow_attention import response_hidden_with_teacher
 
@@ -72,24 +73,8 @@ KEY_KINDS = ("sampled", "needed")
 
 
 # ------------------------------------------------------------------------------ the needed fact (induction key)
-def induction_keys(prompt: Sequence[int], response: Sequence[int], targets: Sequence[int] | None = None) -> np.ndarray:
-    """Per response token t, the prompt position k with prompt[k] == response[t] (or `targets[t]`, another
-    token at that position: the dense teacher's choice) and prompt[k-1] == the token before t (response[t-1], or
-    the prompt's last token for t = 0): int64 [R], -1 where there is no such k or more than one."""
-    prompt, response = [int(x) for x in prompt], [int(x) for x in response]
-    wanted = response if targets is None else [int(x) for x in targets]
-    where: dict[tuple[int, int], list[int]] = {}
-    for k in range(1, len(prompt)):
-        where.setdefault((prompt[k - 1], prompt[k]), []).append(k)
-    out = np.full(len(response), -1, dtype=np.int64)
-    for t, tok in enumerate(wanted):
-        prev = response[t - 1] if t > 0 else (prompt[-1] if prompt else None)
-        found = where.get((prev, tok), []) if prev is not None else []
-        if len(found) == 1:
-            out[t] = found[0]
-    return out
-
-
+# `induction_keys` lives with the learner (stages/learner/kl_tokens.py), whose `learner.kl_tokens=keyed` applies
+# the KL by the same rule as `classes_needed` here.
 def key_visibility(keys: np.ndarray, evict_at: np.ndarray, prompt_len: int) -> np.ndarray:
     """Per response token with a key k (keys[t] >= 0), the fraction of (layer, KV head) pairs whose shadow mask
     still shows k to the query that predicts the token (q = prompt_len + t - 1; visible iff evict_at[k] > q);

@@ -43,8 +43,8 @@ PARAM_KEYS = {
     "policy": "rollout.eviction.policy",
     "keep_ratio": "rollout.eviction.keep_ratio",
 }
-# What labels a run: the table's parameter columns plus the KL weight (tells smd arms apart).
-CONFIG_KEYS = {**PARAM_KEYS, "kl_lambda": "learner.kl_lambda"}
+# What labels a run: the table's parameter columns plus the KL weight and where the KL applies (tell smd arms apart).
+CONFIG_KEYS = {**PARAM_KEYS, "kl_lambda": "learner.kl_lambda", "kl_tokens": "learner.kl_tokens"}
 # (column header, stage, metrics key)
 VALUE_COLUMNS = [
     ("reward/mean", "rollout", "reward/mean"),
@@ -426,6 +426,8 @@ def _series_label(config: dict[str, Any]) -> str:
     objective = config.get("objective") or "?"
     if objective == "smd":  # the KL weight tells smd arms apart (shadow is smd at 0; the others have no KL)
         objective += f" λ{config.get('kl_lambda')}"
+        if config.get("kl_tokens") not in (None, "all"):  # learner.kl_tokens; runs from before it: all (the paper)
+            objective += f" kl:{config['kl_tokens']}"
     return f"{objective} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
 
 
