@@ -47,6 +47,7 @@ COMMAND_MODULES = [
     "cli.launch",
     "cli.compare",
     "cli.probe_kl",
+    "cli.seed_stats",
 ]
 
 for _name in COMMAND_MODULES:
