@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,16 +211,22 @@ def test_kill_9_inside_every_stage_then_rerun_gives_the_same_artifacts(tmp_path)
     # inside its write, then `dvc repro compact@1` again.
     run_ok(["dvc", "commit", "-f", "-q", "iterations", "init-model", "prepare", "warmstart", "rollout@1"], crash)
     watched = crash / "artifacts/iter-001/compact"
-    proc = subprocess.Popen(["dvc", "repro", "compact@1"], cwd=crash, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if watched.is_dir() and any(TEMPORARY.match(p) for p in os.listdir(watched)):
-            os.killpg(proc.pid, signal.SIGKILL)
+    for _ in range(5):
+        proc = subprocess.Popen(["dvc", "repro", "compact@1"], cwd=crash, env=subprocess_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if watched.is_dir() and any(TEMPORARY.match(p) for p in os.listdir(watched)):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        if _temporaries(crash):
             break
-        time.sleep(0.002)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
-    assert _temporaries(crash), "dvc repro was killed inside compact's write, yet no temporary was left"
+        # The write's rename landed between seeing its temporary and the kill (on busy cores the watcher can be
+        # descheduled in between): not the case under test. Remove the finished output and try again.
+        shutil.rmtree(watched, ignore_errors=True)
+    assert _temporaries(crash), "dvc repro was killed inside compact's write 5 times, yet no temporary was left"
     out = run_ok(["dvc", "repro", "compact@1"], crash)
     assert "Running stage 'compact@1'" in out and "Running stage 'rollout@1'" not in out
     assert _temporaries(crash) == []

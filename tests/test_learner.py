@@ -354,3 +354,17 @@ def test_several_updates_and_reference_kl(tmp_path, setup):
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and [s["epoch"] for s in steps] == [0, 0, 1, 1]
     assert steps[0]["loss/kl_ref"] == pytest.approx(0.0, abs=1e-9) and steps[-1]["loss/kl_ref"] > 0
     assert steps[0]["mismatch/logprob_abs_diff_max"] <= TOL < steps[-1]["mismatch/logprob_abs_diff_max"]  # drift
+
+
+def test_learner_runs_again_after_the_process_group_was_destroyed(tmp_path, setup):
+    """A long-lived process (a notebook, a test session, vLLM's clean-up) may destroy the default process group
+    between two learner runs; DeepSpeed keeps module-level references to groups of the old one (its cloned
+    world group), which the next run must not use ("Group ... is not registered")."""
+    import torch.distributed as dist
+
+    _, model_dir, _, traj, masks = setup
+    first = run_learner(make_params(), 1, model_dir, traj, masks, tmp_path / "a" / "policy")
+    assert dist.is_initialized()
+    dist.destroy_process_group()
+    again = run_learner(make_params(), 1, model_dir, traj, masks, tmp_path / "b" / "policy")
+    assert max_param_diff(params_of(first["policy"]), params_of(again["policy"])) == 0.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ def init_distributed(backend: str | None = None, device: str = "auto") -> DistCo
         torch.cuda.set_device(where)  # before NCCL starts: its communicator binds to the current GPU
     backend = backend or ("nccl" if where.type == "cuda" else "gloo")
     if not (dist.is_available() and dist.is_initialized()):
+        _release_stale_deepspeed_groups()
         # A one-process group needs no agreed address: always take a fresh local port (a MASTER_PORT
         # inherited from a parent process may still be bound by it).
         own_port = world == 1
@@ -111,6 +113,27 @@ def init_distributed(backend: str | None = None, device: str = "auto") -> DistCo
             raise lost_peer(ctx, exc) from None
         ctx.hosts, ctx.addresses = (tuple(column) for column in zip(*peers))
     return ctx
+
+
+def _release_stale_deepspeed_groups() -> None:
+    """Before a new default process group: drop DeepSpeed's module-level references to groups of an earlier one.
+
+    DeepSpeed clones the world group once per process (`deepspeed.utils.groups._WORLD_GROUP`, used by ZeRO) and
+    releases it only when the group is torn down through `deepspeed.comm.destroy_process_group`. A process that
+    destroyed the default group with torch's own call (a notebook, a test session, vLLM's clean-up) and then runs
+    the learner again would hand ZeRO the dead clone ("Group ... is not registered"). Only when DeepSpeed is
+    already imported; its own release helper where it has one (DeepSpeed >= 0.18)."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(None)
+    else:
+        groups._WORLD_GROUP = None
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None and not comm.cdb.is_initialized():
+        comm.cdb = None
 
 
 def _own_address() -> str:
