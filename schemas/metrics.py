@@ -20,9 +20,25 @@ from pathlib import Path
 from typing import Any
 
 from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
 
 DETAILS = "details.json"
 METRICS_SCHEMA_VERSION = 1
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A metrics-style JSON file (a JSON object) read back; one line naming the file when it is not valid JSON,
+    unreadable (a directory, not text) or not an object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SmdInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SmdInputError(f"{path}: unreadable ({exc.__class__.__name__})") from exc
+    if not isinstance(data, dict):
+        raise SmdInputError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
 
 
 def details_path(metrics_path: str | Path) -> Path:

@@ -321,3 +321,12 @@ def flex_model_batch(tmp_path, policy: str, seed: int, ids_seed: int):
     T = max(lengths)
     ids = torch.randint(4, 200, (3, T), generator=torch.Generator().manual_seed(ids_seed))
     return model, ids, pad_evict_at(rows, T), prompts, [t - p for t, p in zip(lengths, prompts)]
+
+
+# A pointer-chasing-like prompt (facts "a b ." as token pairs, then the query; small-int tokens) and a response
+# "10 11 ; 11 12 ; 12 13" for the induction-key tests (test_kl_probe, test_kl_tokens): 10 after 99 has no key,
+# 11 after 10 has k=2 (10 30 at k=11 is another pair), ";" (3) is never in the prompt, 12 after 11 has k=5, and
+# 13 after 12 is a wrong hop ("12 13" absent; the fact the right answer needed, "12 1", is at k=6).
+#                  0   1   2  3   4   5  6   7   8  9   10  11  12 13
+INDUCTION_PROMPT = [50, 10, 11, 1, 11, 12, 1, 20, 21, 1, 10, 30, 2, 99]
+INDUCTION_RESPONSE = [10, 11, 3, 11, 12, 3, 12, 13]

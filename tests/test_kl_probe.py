@@ -28,6 +28,8 @@ from stages.tools.kl_probe import (
     trainable,
 )
 from tests.helpers import (
+    INDUCTION_PROMPT,
+    INDUCTION_RESPONSE,
     flex_model_batch,
     float32_bound,
     make_iteration,
@@ -38,12 +40,11 @@ from tests.helpers import (
 )
 
 # A pointer-chasing-like prompt: facts "a b ." as token pairs, then the query; tokens are small ints.
-#            0   1   2  3   4   5  6   7   8  9   10  11  12 13
-PROMPT = [50, 10, 11, 1, 11, 12, 1, 20, 21, 1, 10, 30, 2, 99]
+PROMPT = INDUCTION_PROMPT
 # response: "10 11 ; 11 12 ; 12 13": 10 after 99 (no "99 10"), 11 after 10 (two "10 .." pairs: 10 11 at k=2 and
 # 10 30 at k=11 -> key of 11 is k=2, unique), ";" (=3) never in the prompt, 11 after ";" no, 12 after 11 -> k=5,
 # ";", 12 after ";" no, 13 after 12: "12 13" absent (a wrong hop) -> no key.
-RESPONSE = [10, 11, 3, 11, 12, 3, 12, 13]
+RESPONSE = INDUCTION_RESPONSE
 
 
 def test_induction_keys_hand_checked():

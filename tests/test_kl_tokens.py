@@ -28,14 +28,22 @@ from stages.learner.objectives import (
 )
 from stages.learner.shadow_attention import response_logits
 from stages.learner.train import run_learner
-from tests.helpers import make_iteration, make_model_dir, make_params, make_prompts, max_param_diff, params_of
+from tests.helpers import (
+    INDUCTION_PROMPT,
+    INDUCTION_RESPONSE,
+    make_iteration,
+    make_model_dir,
+    make_params,
+    make_prompts,
+    max_param_diff,
+    params_of,
+)
 
 # A pointer-chasing-like prompt (facts "a b ." as token pairs, then the query) and response "10 11 ; 11 12 ; 12 13"
 # (tests/test_kl_probe.py): sampled keys at t = 1 (11 after 10: k=2) and t = 4 (12 after 11: k=5); 13 after 12 is a
 # wrong hop (no "12 13"), but the fact the right answer needed, "12 1", is there (k=6).
-#            0   1   2  3   4   5  6   7   8  9   10  11  12 13
-PROMPT = [50, 10, 11, 1, 11, 12, 1, 20, 21, 1, 10, 30, 2, 99]
-RESPONSE = [10, 11, 3, 11, 12, 3, 12, 13]
+PROMPT = INDUCTION_PROMPT
+RESPONSE = INDUCTION_RESPONSE
 EOS = 7
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
+from schemas.metrics import read_json_object
 
 HEADLINE_SCHEMA_VERSION = 1
 PROGRESS_KIND = "progress"  # the `kind` of progress.json (stages.progress.stage.PROGRESS_KIND)
@@ -44,15 +45,7 @@ def _number(value: Any) -> bool:
 def _load(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise SmdInputError(f"{path}: missing ({what})")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SmdInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SmdInputError(f"{path}: unreadable ({exc.__class__.__name__})") from exc
-    if not isinstance(data, dict):
-        raise SmdInputError(f"{path}: expected a JSON object, found a {type(data).__name__}")
-    return data
+    return read_json_object(path)
 
 
 def last_row(progress: str | Path, iteration: int) -> dict[str, Any]:

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from schemas.atomic import atomic_path
-from schemas.errors import SmdInputError
 from schemas.layout import DETAILS, METRICS, RunLayout
+from schemas.metrics import read_json_object
 from stages.progress.tensorboard import write_tensorboard
 
 PROGRESS_SCHEMA_VERSION = 1
@@ -31,17 +31,7 @@ HEADLINE = {
 
 
 def _read(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SmdInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    except (OSError, UnicodeDecodeError) as exc:  # a directory, unreadable, or not text
-        raise SmdInputError(f"{path}: unreadable ({exc.__class__.__name__})") from exc
-    if not isinstance(data, dict):
-        raise SmdInputError(f"{path}: expected a JSON object of metrics, found a {type(data).__name__}")
-    return data
+    return read_json_object(path) if path.exists() else {}
 
 
 def iteration_row(artifacts: Path, n: int) -> dict:
