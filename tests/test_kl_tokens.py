@@ -28,9 +28,9 @@ from stages.learner.objectives import (
 )
 from stages.learner.shadow_attention import response_logits
 from stages.learner.train import run_learner
+from tests.helpers import INDUCTION_PROMPT as PROMPT
+from tests.helpers import INDUCTION_RESPONSE as RESPONSE
 from tests.helpers import (
-    INDUCTION_PROMPT,
-    INDUCTION_RESPONSE,
     make_iteration,
     make_model_dir,
     make_params,
@@ -39,11 +39,8 @@ from tests.helpers import (
     params_of,
 )
 
-# A pointer-chasing-like prompt (facts "a b ." as token pairs, then the query) and response "10 11 ; 11 12 ; 12 13"
-# (tests/test_kl_probe.py): sampled keys at t = 1 (11 after 10: k=2) and t = 4 (12 after 11: k=5); 13 after 12 is a
-# wrong hop (no "12 13"), but the fact the right answer needed, "12 1", is there (k=6).
-PROMPT = INDUCTION_PROMPT
-RESPONSE = INDUCTION_RESPONSE
+# PROMPT / RESPONSE (tests/helpers.py): sampled keys at t = 1 (k=2) and t = 4 (k=5); t = 7 is a wrong hop whose
+# needed fact is at k=6.
 EOS = 7
 
 
