@@ -18,6 +18,7 @@ RefKlKind = Literal["k1", "k2", "k3"]
 TisLevel = Literal["token", "sequence"]
 AttentionBackend = Literal["auto", "sdpa", "flex", "tiled"]
 KlTokens = Literal["all", "keyed", "no_eos"]
+KlTeacher = Literal["current", "reference"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
@@ -25,6 +26,7 @@ REF_KL_KINDS: tuple[str, ...] = get_args(RefKlKind)
 TIS_LEVELS: tuple[str, ...] = get_args(TisLevel)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 KL_TOKENS: tuple[str, ...] = get_args(KlTokens)
+KL_TEACHERS: tuple[str, ...] = get_args(KlTeacher)
 
 
 # The parity gate's default per model dtype (learner.parity_tol null). Measured max |learner - rollout log-prob| of
@@ -63,6 +65,16 @@ class LearnerParams(BaseModel):
         "iterations), the keyed part's near-orthogonal. The KL is aggregated with `loss_agg` over the selected "
         "tokens only (token_mean: their mean, so each selected token weighs 1 / fraction more than under all), "
         "per micro-batch (0 when a micro-batch has none); `kl/token_fraction` logs the fraction selected.",
+    )
+    kl_teacher: KlTeacher = Field(
+        "current",
+        description=f"Whose dense forward is `smd`'s teacher, one of {KL_TEACHERS}: current = the policy being "
+        "trained, run densely under no_grad (the SMD paper's sg[pi_dense]: the same weights); reference = the "
+        "frozen policy at `reference_path` (the warm start by default), run densely under no_grad, so the "
+        "teacher cannot drift with the student. smd's own option (issue 22 item 5): on pointer_chasing the "
+        "paper's KL fell to ~0 (0.58 -> 0.004 at kl_lambda 0.8) while the dense policy lost the context it "
+        "was meant to teach, because teacher and student share the weights the KL updates. The dense-vs-rollout "
+        "mismatch metrics (`dense_mismatch/*`) describe the current policy and are not logged with `reference`.",
     )
     lr: float = Field(
         3e-5, gt=0, description="AdamW learning rate (after warm-up). 3e-5 on the tiny default model: 1e-4 and "
@@ -241,7 +253,8 @@ class LearnerParams(BaseModel):
     )
     reference_path: str = Field(
         "artifacts/warmstart/policy",
-        description="Reference policy for the KL of `ref_kl_coef` (read only when ref_kl_coef > 0).",
+        description="Reference policy for the KL of `ref_kl_coef` and the teacher of `kl_teacher=reference` (read "
+        "only when ref_kl_coef > 0 or smd runs with that teacher).",
     )
     seed: int | None = Field(
         None, ge=0, description="Learner seed (mini-batch shuffling, RNG); None = derive from the global seed."

@@ -70,14 +70,18 @@ def _log_softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _ChunkedScores(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], bias [V] | None, targets [N], teacher [N, D] | None) ->
-    logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N], teacher_argmax [N] (int64, zeros
-    without teacher); gradients for hidden, weight, bias. Two [chunk, V] float32 buffers per call, reused by every
+    """(hidden [N, D], weight [V, D], bias [V] | None, targets [N], teacher [N, D] | None, teacher_weight [V, D] |
+    None, teacher_bias [V] | None) -> logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N],
+    teacher_argmax [N] (int64, zeros without teacher); gradients for hidden, weight, bias. The teacher's logits
+    come from teacher_weight / teacher_bias when given (a separate teacher model's lm head, never differentiated),
+    else from the policy's own head. Two [chunk, V] float32 buffers per call, reused by every
     chunk; everything else in place on them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, teacher, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, teacher, teacher_weight, teacher_bias, temperature: float,
+                chunk: int):
         N, V = hidden.shape[0], weight.shape[0]
+        t_weight, t_bias = (weight, bias) if teacher_weight is None else (teacher_weight, teacher_bias)
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         kl, entropy, teacher_logp, lse, teacher_lse = (torch.zeros_like(logp) for _ in range(5))
         teacher_argmax = torch.zeros(N, dtype=torch.long, device=hidden.device)
@@ -92,7 +96,7 @@ class _ChunkedScores(torch.autograd.Function):
                 q = torch.exp(log_q, out=buf_p[: b - a])
                 entropy[a:b] = -_rowdot(q, log_q)
                 if teacher is not None:  # two buffers in all: log q is overwritten by log p - log q
-                    z_p = _logits_into(buf_p, teacher[a:b], weight, bias, temperature)
+                    z_p = _logits_into(buf_p, teacher[a:b], t_weight, t_bias, temperature)
                     teacher_argmax[a:b] = z_p.argmax(-1)  # on the logits (the log-softmax's shift may round ties)
                     log_p, teacher_lse[a:b] = _log_softmax_(z_p)
                     teacher_logp[a:b] = log_p.gather(-1, tgt).squeeze(-1)
@@ -100,13 +104,14 @@ class _ChunkedScores(torch.autograd.Function):
                     # sum_v p (log p - log q); log-probs of finite logits are finite, so p = 0 adds exactly 0
                     kl[a:b] = _rowdot(log_p.exp_(), log_ratio)
         # the log-sum-exps let the backward rebuild q and p from the logits alone (no second reduction)
-        ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse, teacher_lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse, teacher_lse, teacher_weight, teacher_bias)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy, teacher_logp, teacher_argmax)
         return logp, kl, entropy, teacher_logp, teacher_argmax
     @staticmethod
     def backward(ctx, g_logp, g_kl, _g_entropy, _g_teacher, _g_argmax):
-        hidden, weight, bias, targets, teacher, lse, teacher_lse = ctx.saved_tensors
+        hidden, weight, bias, targets, teacher, lse, teacher_lse, teacher_weight, teacher_bias = ctx.saved_tensors
+        t_weight, t_bias = (weight, bias) if teacher_weight is None else (teacher_weight, teacher_bias)
         T, chunk = ctx.temperature, ctx.chunk
         N, V = hidden.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -134,7 +139,7 @@ class _ChunkedScores(torch.autograd.Function):
                 grad_z = q.mul_(coef.unsqueeze(-1))
                 grad_z.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp_t[a:b].unsqueeze(-1))
                 if use_kl:
-                    p = _logits_into(buf_p, teacher[a:b], weight, bias, T).sub_(teacher_lse[a:b].unsqueeze(-1)).exp_()
+                    p = _logits_into(buf_p, teacher[a:b], t_weight, t_bias, T).sub_(teacher_lse[a:b].unsqueeze(-1)).exp_()
                     grad_z.addcmul_(p, g_kl_t[a:b].unsqueeze(-1), value=-1.0)
                 if need_h:
                     g = grad_z if weight.dtype == torch.float32 else grad_z.to(weight.dtype)
@@ -144,15 +149,17 @@ class _ChunkedScores(torch.autograd.Function):
                 if need_b:
                     d_bias.add_(grad_z.sum(0))
         return (d_hidden, d_weight.to(weight.dtype) if need_w else None,
-                d_bias.to(bias.dtype) if need_b else None, None, None, None, None)
+                d_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
 
 
 def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, valid: Tensor, *,
                          temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                         teacher_hidden: Tensor | None = None) -> dict[str, Tensor]:
+                         teacher_hidden: Tensor | None = None,
+                         teacher_head: torch.nn.Linear | None = None) -> dict[str, Tensor]:
     """Per response token, from final hidden states `hidden [B, R, D]` (the policy's, with gradient) and, for smd,
-    `teacher_hidden [B, R, D]` (the dense teacher's; detached here), through the lm head `head`, `chunk_tokens`
-    valid positions at a time:
+    `teacher_hidden [B, R, D]` (the dense teacher's; detached here), through the lm head `head` (the teacher's
+    through `teacher_head` when given: a separate, frozen teacher model, `learner.kl_teacher=reference`; else
+    through `head`), `chunk_tokens` valid positions at a time:
 
       logp          [B, R] log softmax(logits / temperature) at `targets` (with gradient)
       kl            [B, R] KL(sg[pi_teacher] || pi) over the full vocabulary (with gradient; only with a teacher)
@@ -179,8 +186,17 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
             raise SmdInputError(f"teacher_hidden: shape {tuple(teacher_hidden.shape)} does not match hidden "
                                 f"{tuple(hidden.shape)}")
         th = teacher_hidden.detach().reshape(B * R, D).index_select(0, index)
-    logp, kl, entropy, teacher_logp, teacher_argmax = _ChunkedScores.apply(h, head.weight, head.bias, tgt, th, float(temperature),
-                                                           int(chunk_tokens))
+    t_weight = t_bias = None
+    if teacher_head is not None:
+        if th is None:
+            raise SmdInputError("teacher_head: given without teacher_hidden")
+        if teacher_head.weight.shape != head.weight.shape:
+            raise SmdInputError(f"teacher_head: weight shape {tuple(teacher_head.weight.shape)} does not match the "
+                                f"policy's lm head {tuple(head.weight.shape)} (teacher and policy need one vocabulary)")
+        t_weight = teacher_head.weight.detach()
+        t_bias = teacher_head.bias.detach() if teacher_head.bias is not None else None
+    logp, kl, entropy, teacher_logp, teacher_argmax = _ChunkedScores.apply(
+        h, head.weight, head.bias, tgt, th, t_weight, t_bias, float(temperature), int(chunk_tokens))
 
     def scatter(values: Tensor) -> Tensor:
         out = values.new_zeros(B * R)

@@ -18,6 +18,8 @@ Flow of `run_learner(...)`, one named step each:
      with gradient (smd, shadow) or the dense one (naive, naive_bypass, dense, tis, sparse_rl); for smd with kl_lambda > 0 also the
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
      prompt, prefilled densely) are the same for both and run once (`response_hidden_with_teacher`; log-probs, entropy and the teacher KL from the final hidden states in token chunks, `chunked_token_scores`);
+     with learner.kl_teacher=reference the teacher is instead the frozen policy at learner.reference_path
+     (`load_frozen_teacher`), its own dense forward under no_grad, then the masked forward of the policy;
      smd's KL on the tokens of learner.kl_tokens (`stages.learner.kl_tokens`: all, no_eos, keyed; the mask built
      here per micro-batch, keyed from the teacher's argmax of the chunked scoring);
      `objective_loss` (the objective registered under learner.objective). Each micro-batch loss is weighted
@@ -112,6 +114,20 @@ def lr_at(step: int, cfg: LearnerParams) -> float:
     if cfg.lr_warmup_steps <= 0:
         return cfg.lr
     return cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
+
+
+def load_frozen_teacher(path: str | Path, dtype: str, policy):
+    """The dense teacher of `learner.kl_teacher=reference`: the policy at `path` (learner.reference_path), in eval
+    mode without gradients; one line when its vocabulary or hidden size differs from the trained `policy`'s (the
+    KL compares the two distributions token by token over one vocabulary)."""
+    teacher = load_policy(path, dtype)
+    for key in ("vocab_size", "hidden_size"):
+        mine, theirs = getattr(policy.config, key, None), getattr(teacher.config, key, None)
+        if mine != theirs:
+            raise SmdInputError(f"{Path(path) / 'config.json'}: {key} {theirs} does not match the policy's {mine} "
+                                "(learner.reference_path, the teacher of learner.kl_teacher=reference)")
+    teacher.requires_grad_(False)
+    return teacher
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -378,6 +394,7 @@ class LearnerRun:
     global_step: int
     temperature: float  # the sampler's (rollout.temperature): the learner scores that distribution
     ref_model: Any = None
+    teacher_model: Any = None  # learner.kl_teacher=reference: the frozen dense teacher (None: the policy itself)
     say: Callable[[str], None] = lambda msg: None
 
     @property
@@ -416,6 +433,9 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     longest = max(data.length(r) for r in range(len(data)))
     check_positions(model.config, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
     ref_model = load_policy(cfg.reference_path, params.model.dtype) if cfg.ref_kl_coef > 0 else None
+    teacher_model = None
+    if objective_spec(cfg.objective).dense_teacher and cfg.kl_lambda > 0 and cfg.kl_teacher == "reference":
+        teacher_model = load_frozen_teacher(cfg.reference_path, params.model.dtype, model)
 
     ctx = init_distributed(device=params.model.device)  # model.device for this local rank; gloo on CPU, NCCL on CUDA
     # `auto` resolved for the device it runs on (flex on CUDA, sdpa on the CPU); the record names what ran
@@ -425,6 +445,8 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     random.seed(seed * 1_000_003 + iteration)  # every RNG the trainer state saves: reruns are byte-identical
     place_model(model, ctx.device)  # TF32 off for a float32 model on CUDA (the parity invariant)
     model.eval()  # no dropout: the learner scores with the policy that sampled (gradients still flow)
+    if teacher_model is not None:
+        place_model(teacher_model, ctx.device)
     if cfg.gradient_checkpointing:
         enable_layer_checkpointing(model)
     steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
@@ -434,7 +456,8 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     return LearnerRun(params=params, cfg=cfg, iteration=iteration, policy_path=policy_path, ctx=ctx, engine=engine,
                       tokenizer=tokenizer, data=data, steps=steps, resumed=resumed,
                       global_step=int(resumed["global_step"]) if resumed else 0,
-                      temperature=params.rollout.temperature, ref_model=ref_model, say=say)
+                      temperature=params.rollout.temperature, ref_model=ref_model, teacher_model=teacher_model,
+                      say=say)
 
 
 def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None, dict[str, float]]:
@@ -501,17 +524,28 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     cfg, masked, temperature, module = run.cfg, run.masked, run.temperature, run.module
     backend = cfg.attention_backend
     # (with the teacher, block masks are built for the shared-prefix split inside the forward)
-    mb = build_micro_batch(run.data, rows, masked, "sdpa" if run.teacher else backend, cfg.flex_block_size,
+    shared_teacher = run.teacher and run.teacher_model is None
+    mb = build_micro_batch(run.data, rows, masked, "sdpa" if shared_teacher else backend, cfg.flex_block_size,
                            module.config.num_attention_heads, device=run.ctx.device)
     with checkpointed_layers(module) if cfg.gradient_checkpointing else contextlib.nullcontext():
-        if run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
+        if run.teacher and not shared_teacher:  # a frozen teacher model: its own dense pass, then the masked policy
+            with torch.no_grad():
+                teacher_hidden, _, _ = response_hidden(run.teacher_model, mb.input_ids, None, mb.prompt_lens,
+                                                       mb.resp_lens)
+            hidden, targets, valid = response_hidden(module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens,
+                                                     backend, **mb.forward_extra())
+            scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
+                                          chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
+                                          teacher_head=lm_head_of(run.teacher_model))
+        elif run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
             hidden, teacher_hidden, targets, valid = response_hidden_with_teacher(
                 module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
                                           chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
         else:
             scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
-    logp, dense_logp = scores["logp"], scores.get("teacher_logp")
+    # the teacher's log-probs are the current dense policy's only when it is the teacher (dense_mismatch/* metrics)
+    logp, dense_logp = scores["logp"], scores.get("teacher_logp") if shared_teacher else None
     if run.teacher:  # the tokens the teacher KL applies to (learner.kl_tokens; every valid one for `all`)
         mb.kl_mask = mb.valid if cfg.kl_tokens == "all" else kl_token_mask(
             cfg.kl_tokens, [run.data.prompt_ids[r] for r in rows], [run.data.response_ids[r] for r in rows],

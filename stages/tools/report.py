@@ -43,8 +43,10 @@ PARAM_KEYS = {
     "policy": "rollout.eviction.policy",
     "keep_ratio": "rollout.eviction.keep_ratio",
 }
-# What labels a run: the table's parameter columns plus the KL weight and where the KL applies (tell smd arms apart).
-CONFIG_KEYS = {**PARAM_KEYS, "kl_lambda": "learner.kl_lambda", "kl_tokens": "learner.kl_tokens"}
+# What labels a run: the table's parameter columns plus the KL weight, where the KL applies and whose dense forward
+# teaches (tell smd arms apart).
+CONFIG_KEYS = {**PARAM_KEYS, "kl_lambda": "learner.kl_lambda", "kl_tokens": "learner.kl_tokens",
+               "kl_teacher": "learner.kl_teacher"}
 # (column header, stage, metrics key)
 VALUE_COLUMNS = [
     ("reward/mean", "rollout", "reward/mean"),
@@ -428,6 +430,8 @@ def _series_label(config: dict[str, Any]) -> str:
         objective += f" λ{config.get('kl_lambda')}"
         if config.get("kl_tokens") not in (None, "all"):  # learner.kl_tokens; runs from before it: all (the paper)
             objective += f" kl:{config['kl_tokens']}"
+        if config.get("kl_teacher") not in (None, "current"):  # learner.kl_teacher; runs from before it: current
+            objective += f" teacher:{config['kl_teacher']}"
     return f"{objective} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
 
 
