@@ -73,15 +73,14 @@ class _ChunkedScores(torch.autograd.Function):
     """(hidden [N, D], weight [V, D], bias [V] | None, targets [N], teacher [N, D] | None, teacher_weight [V, D] |
     None, teacher_bias [V] | None) -> logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N],
     teacher_argmax [N] (int64, zeros without teacher); gradients for hidden, weight, bias. The teacher's logits
-    come from teacher_weight / teacher_bias when given (a separate teacher model's lm head, never differentiated),
-    else from the policy's own head. Two [chunk, V] float32 buffers per call, reused by every
+    come from teacher_weight / teacher_bias (the policy's own head detached, or a separate teacher model's; never
+    differentiated). Two [chunk, V] float32 buffers per call, reused by every
     chunk; everything else in place on them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher, teacher_weight, teacher_bias, temperature: float,
                 chunk: int):
         N, V = hidden.shape[0], weight.shape[0]
-        t_weight, t_bias = (weight, bias) if teacher_weight is None else (teacher_weight, teacher_bias)
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         kl, entropy, teacher_logp, lse, teacher_lse = (torch.zeros_like(logp) for _ in range(5))
         teacher_argmax = torch.zeros(N, dtype=torch.long, device=hidden.device)
@@ -96,7 +95,7 @@ class _ChunkedScores(torch.autograd.Function):
                 q = torch.exp(log_q, out=buf_p[: b - a])
                 entropy[a:b] = -_rowdot(q, log_q)
                 if teacher is not None:  # two buffers in all: log q is overwritten by log p - log q
-                    z_p = _logits_into(buf_p, teacher[a:b], t_weight, t_bias, temperature)
+                    z_p = _logits_into(buf_p, teacher[a:b], teacher_weight, teacher_bias, temperature)
                     teacher_argmax[a:b] = z_p.argmax(-1)  # on the logits (the log-softmax's shift may round ties)
                     log_p, teacher_lse[a:b] = _log_softmax_(z_p)
                     teacher_logp[a:b] = log_p.gather(-1, tgt).squeeze(-1)
@@ -111,7 +110,6 @@ class _ChunkedScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_kl, _g_entropy, _g_teacher, _g_argmax):
         hidden, weight, bias, targets, teacher, lse, teacher_lse, teacher_weight, teacher_bias = ctx.saved_tensors
-        t_weight, t_bias = (weight, bias) if teacher_weight is None else (teacher_weight, teacher_bias)
         T, chunk = ctx.temperature, ctx.chunk
         N, V = hidden.shape[0], weight.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -139,7 +137,7 @@ class _ChunkedScores(torch.autograd.Function):
                 grad_z = q.mul_(coef.unsqueeze(-1))
                 grad_z.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp_t[a:b].unsqueeze(-1))
                 if use_kl:
-                    p = _logits_into(buf_p, teacher[a:b], t_weight, t_bias, T).sub_(teacher_lse[a:b].unsqueeze(-1)).exp_()
+                    p = _logits_into(buf_p, teacher[a:b], teacher_weight, teacher_bias, T).sub_(teacher_lse[a:b].unsqueeze(-1)).exp_()
                     grad_z.addcmul_(p, g_kl_t[a:b].unsqueeze(-1), value=-1.0)
                 if need_h:
                     g = grad_z if weight.dtype == torch.float32 else grad_z.to(weight.dtype)
@@ -186,15 +184,15 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
             raise SmdInputError(f"teacher_hidden: shape {tuple(teacher_hidden.shape)} does not match hidden "
                                 f"{tuple(hidden.shape)}")
         th = teacher_hidden.detach().reshape(B * R, D).index_select(0, index)
-    t_weight = t_bias = None
     if teacher_head is not None:
         if th is None:
             raise SmdInputError("teacher_head: given without teacher_hidden")
         if teacher_head.weight.shape != head.weight.shape:
             raise SmdInputError(f"teacher_head: weight shape {tuple(teacher_head.weight.shape)} does not match the "
                                 f"policy's lm head {tuple(head.weight.shape)} (teacher and policy need one vocabulary)")
-        t_weight = teacher_head.weight.detach()
-        t_bias = teacher_head.bias.detach() if teacher_head.bias is not None else None
+    t_head = teacher_head if teacher_head is not None else head
+    t_weight = t_head.weight.detach() if th is not None else None
+    t_bias = t_head.bias.detach() if th is not None and t_head.bias is not None else None
     logp, kl, entropy, teacher_logp, teacher_argmax = _ChunkedScores.apply(
         h, head.weight, head.bias, tgt, th, t_weight, t_bias, float(temperature), int(chunk_tokens))
 

@@ -19,7 +19,7 @@ Flow of `run_learner(...)`, one named step each:
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
      prompt, prefilled densely) are the same for both and run once (`response_hidden_with_teacher`; log-probs, entropy and the teacher KL from the final hidden states in token chunks, `chunked_token_scores`);
      with learner.kl_teacher=reference the teacher is instead the frozen policy at learner.reference_path
-     (`load_frozen_teacher`), its own dense forward under no_grad, then the masked forward of the policy;
+     (`as_frozen_teacher`), its own dense forward under no_grad, then the masked forward of the policy;
      smd's KL on the tokens of learner.kl_tokens (`stages.learner.kl_tokens`: all, no_eos, keyed; the mask built
      here per micro-batch, keyed from the teacher's argmax of the chunked scoring);
      `objective_loss` (the objective registered under learner.objective). Each micro-batch loss is weighted
@@ -116,18 +116,21 @@ def lr_at(step: int, cfg: LearnerParams) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
 
 
-def load_frozen_teacher(path: str | Path, dtype: str, policy):
-    """The dense teacher of `learner.kl_teacher=reference`: the policy at `path` (learner.reference_path), in eval
-    mode without gradients; one line when its vocabulary or hidden size differs from the trained `policy`'s (the
-    KL compares the two distributions token by token over one vocabulary)."""
-    teacher = load_policy(path, dtype)
+def runs_dense_teacher(cfg: LearnerParams) -> bool:
+    """Whether the objective adds the dense-teacher KL (smd with kl_lambda > 0)."""
+    return objective_spec(cfg.objective).dense_teacher and cfg.kl_lambda > 0
+
+
+def as_frozen_teacher(reference, policy, path: str | Path):
+    """The dense teacher of `learner.kl_teacher=reference`: the loaded policy of `path` (learner.reference_path),
+    without gradients; one line when its vocabulary or hidden size differs from the trained `policy`'s (the KL
+    compares the two distributions token by token over one vocabulary)."""
     for key in ("vocab_size", "hidden_size"):
-        mine, theirs = getattr(policy.config, key, None), getattr(teacher.config, key, None)
+        mine, theirs = getattr(policy.config, key, None), getattr(reference.config, key, None)
         if mine != theirs:
             raise SmdInputError(f"{Path(path) / 'config.json'}: {key} {theirs} does not match the policy's {mine} "
                                 "(learner.reference_path, the teacher of learner.kl_teacher=reference)")
-    teacher.requires_grad_(False)
-    return teacher
+    return reference.requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -407,7 +410,7 @@ class LearnerRun:
 
     @property
     def teacher(self) -> bool:
-        return self.spec.dense_teacher and self.cfg.kl_lambda > 0
+        return runs_dense_teacher(self.cfg)
 
     @property
     def module(self):
@@ -432,10 +435,12 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv, need_masks=masked)
     longest = max(data.length(r) for r in range(len(data)))
     check_positions(model.config, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
-    ref_model = load_policy(cfg.reference_path, params.model.dtype) if cfg.ref_kl_coef > 0 else None
-    teacher_model = None
-    if objective_spec(cfg.objective).dense_teacher and cfg.kl_lambda > 0 and cfg.kl_teacher == "reference":
-        teacher_model = load_frozen_teacher(cfg.reference_path, params.model.dtype, model)
+    frozen_teacher = runs_dense_teacher(cfg) and cfg.kl_teacher == "reference"
+    # one copy of the reference policy serves both the reference KL and the frozen teacher
+    reference = (load_policy(cfg.reference_path, params.model.dtype)
+                 if cfg.ref_kl_coef > 0 or frozen_teacher else None)
+    teacher_model = as_frozen_teacher(reference, model, cfg.reference_path) if frozen_teacher else None
+    ref_model = reference if cfg.ref_kl_coef > 0 else None
 
     ctx = init_distributed(device=params.model.device)  # model.device for this local rank; gloo on CPU, NCCL on CUDA
     # `auto` resolved for the device it runs on (flex on CUDA, sdpa on the CPU); the record names what ran
