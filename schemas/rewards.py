@@ -5,7 +5,7 @@
 
 - `gsm8k`, `arithmetic`, `var_tracking`: numeric exact match of the final number (GSM8K convention:
   the number after the last `####`, else the last number in the text). score = 1.0 or 0.0.
-- `kv_retrieval`: fraction of the queried values answered correctly, position by position (a dense
+- `kv_retrieval`, `fact_recall`: fraction of the queried values answered correctly, position by position (a dense
   signal for RL); exact match = every value right and no extra value.
 - `pointer_chasing`: fraction of the reference's hops (units between ";", e.g. "fox owl") that the
   response gives at the same position, words compared exactly (a wrong hop usually derails the hops
@@ -35,6 +35,7 @@ from schemas.params.prepare import TASKS
 
 METRICS = {
     "kv_retrieval": "kv_fraction",
+    "fact_recall": "kv_fraction",
     "var_tracking": "numeric_exact_match",
     "arithmetic": "numeric_exact_match",
     "gsm8k": "numeric_exact_match",

@@ -16,7 +16,15 @@ from schemas.params import load_params
 from schemas.params.compaction import CompactionParams
 from schemas.params.model import TinyModelParams
 from schemas.tables import read_table
-from stages.common.model import init_tiny_model, load_policy, load_tokenizer, prompt_token_ids, response_ids
+from stages.common.model import (
+    generation_prompt_ids,
+    init_tiny_model,
+    load_policy,
+    load_tokenizer,
+    prompt_token_ids,
+    rendered_as_chat,
+    response_ids,
+)
 from stages.compaction import run_compaction
 from stages.learner.data import load_learner_data
 from stages.learner.train import run_learner, score_rows
@@ -39,13 +47,35 @@ def test_bpe_tokenizer_chat_template_and_eos(tmp_path):
     ids = prompt_token_ids(tok, "key 12 is blue")
     assert tok.decode(ids) == "<|im_start|>user\nkey 12 is blue<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(prompt_token_ids(tok, "key 12 is blue", chat_template=False)) == "key 12 is blue"
-    assert response_ids(tok, "blue")[-1] == tok.eos_token_id  # the assistant turn ends with <|im_end|>
+    assert response_ids(tok, "blue", chat=True)[-1] == tok.eos_token_id  # the assistant turn ends with <|im_end|>
     # the model config carries the tokenizer's special ids (generation stops on <|im_end|>; Qwen has no BOS)
     model = load_policy(policy)
     assert model.config.vocab_size == 400
     for config in (model.config, model.generation_config):
         assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (tok.eos_token_id,
                                                                                   tok.pad_token_id, None)
+
+
+def test_response_target_is_the_templates_assistant_turn(tmp_path):
+    """The target the warm start trains and the reference NLL scores is exactly what the chat template's assistant
+    turn holds after the prompt: no leading space (the turn opens with `<|im_start|>assistant\n`), then EOS."""
+    tok = load_tokenizer(init_tiny_model(SHAPE, tmp_path / "policy"))
+    assert tok.decode(generation_prompt_ids(tok)) == "<|im_start|>assistant\n"
+    for reference in ("bird 78", "fox 11 ; bear 20", "7"):
+        prompt = prompt_token_ids(tok, "key 12 is blue")
+        assert rendered_as_chat(tok, prompt) and not rendered_as_chat(tok, prompt_token_ids(tok, "x", False))
+        target = response_ids(tok, reference, chat=True)
+        # independent rendering: the whole conversation as the template writes it, tokenised as one text
+        text = tok.apply_chat_template([{"role": "user", "content": "key 12 is blue"},
+                                        {"role": "assistant", "content": reference}], tokenize=False)
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert whole[: len(prompt)] == prompt
+        assert target == whole[len(prompt): len(prompt) + len(target)]
+        assert tok.decode(target) == reference + "<|im_end|>"
+        # the plain form (a prompt ending with its answer cue) keeps the space the cue is followed by
+        assert response_ids(tok, reference) == tok(" " + reference, add_special_tokens=False)["input_ids"] + [
+            tok.eos_token_id]
+        assert target != response_ids(tok, reference)
 
 
 def test_init_model_bpe_is_deterministic_and_validated(tmp_path):

@@ -1,6 +1,8 @@
 """`prepare:` section: which task, how much of it, and how hard.
 
-Synthetic tasks (`kv_retrieval`, `var_tracking`, `arithmetic`, `pointer_chasing`) are generated from the seed; dataset
+Synthetic tasks (`kv_retrieval`, `var_tracking`, `arithmetic`, `pointer_chasing`: the tiny word-level model's) and
+instruct tasks (`fact_recall`: natural wording and an answer format for a pretrained chat model, e.g.
+SmolLM2-135M-Instruct) are generated from the seed; dataset
 tasks (`gsm8k`, `hotpotqa`, `tldr`, `govreport`) are read from local files in their public formats
 (`train_file`, optional `eval_file`).
 """
@@ -12,11 +14,17 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SyntheticTask = Literal["kv_retrieval", "var_tracking", "arithmetic", "pointer_chasing"]
+# Generated like the synthetic tasks, phrased for pretrained instruct models (stages.prepare.instruct).
+InstructTask = Literal["fact_recall"]
 DatasetTask = Literal["gsm8k", "hotpotqa", "tldr", "govreport"]
-TaskName = Literal[SyntheticTask, DatasetTask]
+TaskName = Literal[SyntheticTask, InstructTask, DatasetTask]
 SYNTHETIC_TASKS: tuple[str, ...] = get_args(SyntheticTask)
+INSTRUCT_TASKS: tuple[str, ...] = get_args(InstructTask)
+GENERATED_TASKS: tuple[str, ...] = SYNTHETIC_TASKS + INSTRUCT_TASKS
 DATASET_TASKS: tuple[str, ...] = get_args(DatasetTask)
-TASKS: tuple[str, ...] = SYNTHETIC_TASKS + DATASET_TASKS
+TASKS: tuple[str, ...] = GENERATED_TASKS + DATASET_TASKS
+# fact_recall's keys (stages.prepare.instruct.ANIMALS).
+FACT_RECALL_ANIMALS = 20
 # pointer_chasing's node words (stages.prepare.synthetic.POINTER_NODE_WORDS: animals and the places filler never uses).
 POINTER_NODES = 40
 
@@ -25,7 +33,8 @@ class PrepareParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: TaskName = Field(
         "kv_retrieval",
-        description=f"Task name: a synthetic generator {SYNTHETIC_TASKS} or a dataset loader {DATASET_TASKS}.",
+        description=f"Task name: a synthetic generator for the tiny model {SYNTHETIC_TASKS}, one phrased for "
+        f"pretrained instruct models {INSTRUCT_TASKS}, or a dataset loader {DATASET_TASKS}.",
     )
     num_train: int = Field(
         16384,
@@ -54,15 +63,19 @@ class PrepareParams(BaseModel):
     )
     # kv_retrieval
     num_pairs: int = Field(
-        6, ge=1, le=100, description="kv_retrieval: key-value pairs spread over the context (distinct keys)."
+        6,
+        ge=1,
+        le=100,
+        description="kv_retrieval, fact_recall: key-value pairs spread over the context (distinct keys; "
+        "fact_recall: animals with their numbers, at most 20).",
     )
     num_queries: int = Field(
         3,
         ge=1,
         le=100,
-        description="kv_retrieval: keys asked for; the answer lists their values in query order.",
+        description="kv_retrieval, fact_recall: keys asked for; the answer lists their values in query order.",
     )
-    value_digits: int = Field(2, ge=1, le=6, description="kv_retrieval: digits of each value.")
+    value_digits: int = Field(2, ge=1, le=6, description="kv_retrieval, fact_recall: digits of each value.")
     # var_tracking
     num_hops: int = Field(
         3, ge=1, le=20, description="var_tracking: assignments between the queried variable and its number."
@@ -129,9 +142,11 @@ class PrepareParams(BaseModel):
     def _check(self) -> PrepareParams:
         if self.task in DATASET_TASKS and not self.train_file:
             raise ValueError(f"train_file: task {self.task} reads a local file; set prepare.train_file")
-        if self.task == "kv_retrieval" and self.num_queries > self.num_pairs:
+        if self.task in ("kv_retrieval", "fact_recall") and self.num_queries > self.num_pairs:
             raise ValueError(f"num_queries: {self.num_queries} is larger than num_pairs={self.num_pairs}")
-        if self.task == "kv_retrieval" and self.num_pairs > 9 * 10 ** (self.value_digits - 1) + (
+        if self.task == "fact_recall" and self.num_pairs > FACT_RECALL_ANIMALS:
+            raise ValueError(f"num_pairs: fact_recall has {FACT_RECALL_ANIMALS} animals; {self.num_pairs} asked")
+        if self.task in ("kv_retrieval", "fact_recall") and self.num_pairs > 9 * 10 ** (self.value_digits - 1) + (
             self.value_digits == 1
         ):
             raise ValueError(

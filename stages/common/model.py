@@ -311,11 +311,70 @@ def check_positions(config, tokens: int, what: str) -> None:
         raise SmdInputError(f"{what} exceeds the model's {limit} positions")
 
 
-def response_ids(tokenizer, reference: str) -> list[int]:
-    """Token ids of the target response: the reference (after a space, as it follows the cue) and EOS."""
-    if tokenizer.eos_token_id is None:
+# A user turn whose content cannot change how the template renders the assistant turn after it (ChatML and the
+# templates derived from it render each message on its own).
+_PROBE_TURN = [{"role": "user", "content": "x"}]
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+# Per tokenizer object and template: the probe turn rendered closed and with the assistant turn opened (every
+# prompt row asks, so the template renders once).
+_PROBE_RENDERS: dict[tuple[int, str, int, int | None], tuple[list[int], list[int]]] = {}
+
+
+def _probe_renders(tokenizer) -> tuple[list[int], list[int]]:
+    key = (id(tokenizer), tokenizer.chat_template, len(tokenizer), tokenizer.eos_token_id)
+    if key not in _PROBE_RENDERS:
+        _PROBE_RENDERS[key] = (_chat_ids(tokenizer, _PROBE_TURN, False), _chat_ids(tokenizer, _PROBE_TURN, True))
+    return _PROBE_RENDERS[key]
+
+
+def generation_prompt_ids(tokenizer) -> list[int]:
+    """The tokens the chat template appends to open the assistant turn (`add_generation_prompt`), e.g. ChatML's
+    `<|im_start|>assistant\n`; [] when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    closed, opened = _probe_renders(tokenizer)
+    if opened[: len(closed)] != closed:
+        raise SmdInputError("tokenizer: chat_template: the generation prompt does not extend the rendered user turn")
+    return opened[len(closed):]
+
+
+def rendered_as_chat(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether `prompt_ids` were rendered through the tokenizer's chat template with the assistant turn opened
+    (`prompt_token_ids` with the template on): they end with the template's generation prompt."""
+    suffix = generation_prompt_ids(tokenizer)
+    return bool(suffix) and list(prompt_ids[-len(suffix):]) == suffix
+
+
+def response_ids(tokenizer, reference: str, chat: bool = False) -> list[int]:
+    """Token ids of the target response, ending with EOS, tokenised as the policy produces it after its prompt.
+
+    `chat` (the prompt was rendered through the chat template, `rendered_as_chat`): exactly the tokens the
+    template's assistant turn holds for `reference` up to its end-of-turn token (the tokenizer's EOS, e.g.
+    ChatML's `<|im_end|>`): the conversation [user, assistant: reference] rendered and tokenised as one text,
+    minus the prompt with the generation prompt. A BPE tokenizer then sees the answer with no leading space,
+    as the model writes it after `<|im_start|>assistant\n`. Otherwise (a plain prompt ending with its answer
+    cue, e.g. `answer :`): the reference after a space, then EOS.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
         raise SmdInputError("tokenizer: eos_token: missing (the response must end with EOS)")
-    return tokenizer(" " + reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if not chat:
+        return tokenizer(" " + reference, add_special_tokens=False)["input_ids"] + [eos]
+    prompt = _probe_renders(tokenizer)[1]
+    full = _chat_ids(tokenizer, [*_PROBE_TURN, {"role": "assistant", "content": reference}], False)
+    if full[: len(prompt)] != prompt or eos not in full[len(prompt):]:
+        raise SmdInputError(
+            "tokenizer: chat_template: the assistant turn does not follow the generation prompt or does not end "
+            f"with the EOS token {tokenizer.eos_token!r}; render prompts without it (prepare.chat_template=false)"
+        )
+    turn = full[len(prompt):]
+    return turn[: turn.index(eos) + 1]
 
 
 @torch.no_grad()
@@ -336,7 +395,8 @@ def reference_nll_batch(model, tokenizer, prompts: list[list[int]], references: 
     data-parallel evaluate sums these in batch order, so its mean equals the one-process figure exactly)."""
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seqs = [(list(p), response_ids(tokenizer, r)) for p, r in zip(prompts, references, strict=True)]
+    seqs = [(list(p), response_ids(tokenizer, r, rendered_as_chat(tokenizer, p)))
+            for p, r in zip(prompts, references, strict=True)]
     T = max(len(p) + len(r) for p, r in seqs)
     # Built on the host, copied to the model's device once per batch.
     ids = torch.full((len(seqs), T), pad, dtype=torch.long, device="cpu")

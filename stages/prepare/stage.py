@@ -8,16 +8,18 @@ from typing import Any
 
 from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
-from schemas.params.prepare import SYNTHETIC_TASKS, PrepareParams
+from schemas.params.prepare import GENERATED_TASKS, PrepareParams
 from schemas.tables import write_table
 from stages.common.model import load_tokenizer, prompt_token_ids
-from stages.prepare import loaders, synthetic
+from stages.prepare import instruct, loaders, synthetic
+
+GENERATORS = {**synthetic.GENERATORS, **instruct.GENERATORS}
 
 HEADLINE = ("train.rows", "eval.rows", "train.prompt_tokens_mean", "eval.prompt_tokens_mean")
 
 def _synthetic_rows(cfg: PrepareParams, tokenizer, seed: int, split: str, n: int) -> list[dict[str, Any]]:
     rows = []
-    for i, (prompt, reference) in enumerate(synthetic.generate(cfg.task, cfg, seed, split, n)):
+    for i, (prompt, reference) in enumerate(synthetic.generate(cfg.task, cfg, seed, split, n, GENERATORS)):
         ids = prompt_token_ids(tokenizer, prompt, cfg.chat_template)
         rows.append(
             {
@@ -98,7 +100,7 @@ def run_prepare(
     out_dir = Path(out_dir)
     tokenizer = load_tokenizer(tokenizer_path)
     dropped = {"train": 0, "eval": 0}
-    if cfg.task in SYNTHETIC_TASKS:
+    if cfg.task in GENERATED_TASKS:
         splits = {
             "train": _synthetic_rows(cfg, tokenizer, seed, "train", cfg.num_train),
             "eval": _synthetic_rows(cfg, tokenizer, seed, "eval", cfg.num_eval),

@@ -196,12 +196,17 @@ GENERATORS: dict[str, Callable[[random.Random, PrepareParams, int], tuple[str, s
 }
 
 
-def generate(task: str, p: PrepareParams, seed: int, split: str, n: int) -> list[tuple[str, str]]:
-    """`n` (prompt, reference) pairs; deterministic in (task, params, seed, split)."""
+Generator = Callable[[random.Random, PrepareParams, int], tuple[str, str]]
+
+
+def generate(task: str, p: PrepareParams, seed: int, split: str, n: int,
+             generators: dict[str, Generator] = GENERATORS) -> list[tuple[str, str]]:
+    """`n` (prompt, reference) pairs; deterministic in (task, params, seed, split). `generators`: the task
+    registry (this module's; prepare adds stages.prepare.instruct's)."""
     rng = random.Random(f"smd-prepare:{task}:{seed}:{split}")
     shortest = max(1, math.ceil(p.train_context_min_fraction * p.context_tokens)) if split == "train" else None
     out = []
     for _ in range(n):
         target = rng.randint(shortest, p.context_tokens) if shortest is not None else p.context_tokens
-        out.append(GENERATORS[task](rng, p, target))
+        out.append(generators[task](rng, p, target))
     return out
