@@ -1,4 +1,4 @@
-"""`smdctl progress` (per-iteration series for DVC plots) and `smdctl summary` (the default experiment's summary)."""
+"""`smdctl progress` (per-iteration series for DVC plots) and `smdctl summary` (a run's summary, titled by its task and model)."""
 
 from __future__ import annotations
 
@@ -40,14 +40,17 @@ def register(app: typer.Typer) -> None:
     @app.command("summary")
     def summary_cmd(artifacts: Annotated[Path, typer.Option(help="Artifacts root.")] = Path("artifacts")) -> None:
         """Print reward per iteration, dense vs compressed evaluation and mismatch metrics."""
-        from stages.progress.stage import summary_table
+        from stages.progress.stage import run_title, summary_table
 
         rows = guarded(lambda: summary_table(artifacts))
-        table = Table(title="smd: default experiment")
+        table = Table(title=guarded(lambda: run_title(artifacts)))
         table.add_column("iteration")
         for _, title in COLUMNS:
             table.add_column(title, justify="right")
         for row in rows:
-            label = "warm start" if row["iteration"] == 0 else str(row["iteration"])
+            label = {"warmstart": "warm start *", "evaluate": "start"}.get(row.get("start"), str(row["iteration"]))
             table.add_row(label, *(f"{row[k]:.4g}" if k in row else "—" for k, _ in COLUMNS))
+        if any(row.get("start") == "warmstart" for row in rows):
+            table.caption = ("* the warm start stage's own greedy evaluation (warmstart.eval_max_new_tokens, all eval "
+                             "prompts, dense only); the iterations use evaluate's settings")
         Console(width=None if sys.stdout.isatty() else 160).print(table)

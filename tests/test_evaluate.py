@@ -171,8 +171,31 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
     out = CliRunner().invoke(app, ["summary", "--artifacts", str(tmp_path)])
     assert out.exit_code == 0
     warm_line = next(line for line in out.output.splitlines() if "warm start" in line)
-    assert [c.strip() for c in warm_line.strip("│ ").split("│")] == ["warm start", "—", "0.75", "—", "0.5", "—",
+    assert [c.strip() for c in warm_line.strip("│ ").split("│")] == ["warm start *", "—", "0.75", "—", "0.5", "—",
                                                                       "2.25", "—", "—", "—", "—"]
+    assert "warm start stage's own greedy evaluation" in " ".join(out.output.split())
+    # titled by task and model: the task from the predictions, the model from the policy iteration 1 sampled with
+    model = tmp_path / "models" / "mine"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30,
+                                                   "hidden_size": 576}))
+    (model / "provenance.json").write_text(json.dumps({"source": {"path": "/x/SmolLM2-135M-Instruct.Q4_1.gguf"}}))
+    (tmp_path / "iter-001" / "rollout" / "details.json").write_text(json.dumps({"config": {"policy": str(model)}}))
+    write_table([{"prompt_id": "p", "task": "fact_recall", "mode": "dense", "response_text": "1", "score": 1.0,
+                  "exact_match": True, "kv_peak_tokens": 3, "kv_dense_tokens": 3, "iteration": 1, "reference": "1",
+                  "response_token_ids": [1], "finish_reason": "stop"}],
+                tmp_path / "iter-001" / "evaluate" / "predictions.arrow", "eval_predictions", {})
+    from stages.progress.stage import run_title
+
+    title = "smd: fact_recall on SmolLM2-135M-Instruct.Q4_1 (LlamaForCausalLM, 30 layers, hidden 576)"
+    assert run_title(tmp_path) == title
+    assert title in " ".join(CliRunner().invoke(app, ["summary", "--artifacts", str(tmp_path)]).output.split())
+    # a compare run's start (the warm start evaluated with evaluate's settings, iteration 0) replaces the warm start
+    (tmp_path / "iter-000" / "evaluate").mkdir(parents=True)
+    (tmp_path / "iter-000" / "evaluate" / "metrics.json").write_text(json.dumps(
+        {"eval/dense/score": 0.7, "eval/compressed/score": 0.5}))
+    start = summary_table(tmp_path)[0]
+    assert start == {"iteration": 0, "start": "evaluate", "eval/dense/score": 0.7, "eval/compressed/score": 0.5}
     (tmp_path / "iter-001" / "learn" / "metrics.json").write_text("{broken")
     bad = CliRunner().invoke(app, ["summary", "--artifacts", str(tmp_path)])
     assert bad.exit_code == 2 and "learn/metrics.json: not valid JSON" in bad.output

@@ -74,9 +74,60 @@ def warmstart_row(artifacts: Path) -> dict | None:
 
 
 def summary_table(artifacts: str | Path = "artifacts") -> list[dict]:
-    """Rows for every iteration that has any metrics (warm start as iteration 0)."""
+    """Rows for every iteration that has any metrics, the start as iteration 0: the start's evaluation with
+    evaluate's settings where a run has one (`iter-000/evaluate`, what `smdctl compare` writes), else the warm
+    start stage's own greedy evaluation, marked `"start": "warmstart"` (its settings, e.g. its new-token limit,
+    are the warm start's, not evaluate's)."""
     artifacts = Path(artifacts)
-    warm = warmstart_row(artifacts)
-    rows = [warm] if warm else []
-    rows.extend(iteration_row(artifacts, n) for n in RunLayout(artifacts).iterations())
+    layout = RunLayout(artifacts)
+    if (layout.iteration(0).evaluate / METRICS).is_file():
+        rows = [{**iteration_row(artifacts, 0), "start": "evaluate"}]
+    else:
+        warm = warmstart_row(artifacts)
+        rows = [{**warm, "start": "warmstart"}] if warm else []
+    rows.extend(iteration_row(artifacts, n) for n in layout.iterations())
     return rows
+
+
+def _config(path: Path) -> dict:
+    config = _read(path).get("config")
+    return config if isinstance(config, dict) else {}
+
+
+def model_label(path: str | Path) -> str:
+    """A model directory as a person names it: the source file's name of a converted model (`provenance.json`
+    of `smdctl convert-model`), else the directory's name, with its architecture and size from config.json."""
+    path = Path(path)
+    provenance = _read(path / "provenance.json") if (path / "provenance.json").is_file() else {}
+    source = provenance.get("source")
+    name = Path(source["path"]).stem if isinstance(source, dict) and isinstance(source.get("path"), str) else None
+    config = _read(path / "config.json") if (path / "config.json").is_file() else {}
+    shape = ", ".join(str(x) for x in (
+        (config.get("architectures") or [None])[0],
+        f"{config['num_hidden_layers']} layers" if "num_hidden_layers" in config else None,
+        f"hidden {config['hidden_size']}" if "hidden_size" in config else None) if x)
+    label = name or path.name
+    return f"{label} ({shape})" if shape else label
+
+
+def run_title(artifacts: str | Path = "artifacts") -> str:
+    """`smd: <task> on <model>` for a run's artifacts: the task of its prompts (the eval predictions' or the
+    trajectories' `task`), the model its chain started from (the warm start's model.init_path, else the policy
+    iteration 1 sampled with)."""
+    artifacts = Path(artifacts)
+    layout = RunLayout(artifacts)
+    task = None
+    for n in [0, *layout.iterations()]:
+        for table in (layout.iteration(n).predictions, layout.iteration(n).trajectories):
+            if table.is_file():
+                import pyarrow.feather as feather
+
+                column = feather.read_table(table, columns=["task"]).column("task")
+                task = column[0].as_py() if len(column) else None
+                break
+        if task:
+            break
+    start = _config(layout.warmstart / DETAILS).get("model", {}).get("init_path") or _config(
+        layout.iteration(1).rollout / DETAILS).get("policy")
+    model = model_label(start) if start else "an unknown model"
+    return f"smd: {task or 'unknown task'} on {model}"
