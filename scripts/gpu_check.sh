@@ -16,7 +16,8 @@
 # Install. With a package registry, install the GPU pins first (README: `pip install -e '.[dev,gpu]'`). On a
 # machine without one (the lent GPU machine: Python 3.12, torch 2.11, transformers 5.17 in its image), carry
 # the missing packages as cp312 wheels in ./wheels/ (built by scripts/gpu_wheels.sh; pass `wheels` as carry): this
-# script installs them one at a time without an index or dependency resolution, each failure a row of the table
+# script installs them without an index or dependency resolution (one pip call; if that fails, one wheel at a
+# time, each failure a row of the table)
 # (a machine without pip gets them unpacked onto PYTHONPATH instead). The check runs from the checkout
 # (PYTHONPATH): the project's pins are for registries; the code supports torch >= 2.11 and transformers >= 5.17.
 # vLLM's GPU build is too large to carry: the vLLM engine stays untested there. PYTHON picks the interpreter.
@@ -29,16 +30,23 @@ trap 'rm -f "$INSTALL_LOG"' EXIT
 row() { printf '%s\t%s\t%s\n' "$1" "$2" "$(printf '%s' "$3" | tr '\t\n' '  ' | cut -c1-160)" >> "$INSTALL_LOG"; }
 if compgen -G "wheels/*.whl" > /dev/null; then
     t0=$(date +%s); ok=0; bad=0
+    pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps "$@" 2>&1; }
     if "$PY" -m pip --version > /dev/null 2>&1; then
-        for w in wheels/*.whl; do
-            if out=$("$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps "$w" 2>&1); then
-                ok=$((ok + 1))
-            else
-                bad=$((bad + 1))
-                row "$(basename "$w")" FAIL "$(printf '%s\n' "$out" | grep -v '^[[:space:]]*$' | tail -1)"
-            fi
-        done
-        how="pip, one at a time"
+        # one pip call for all (each call costs a start-up); when it fails, one at a time, each failure a row
+        if pip_install wheels/*.whl > /dev/null; then
+            ok=$(compgen -G "wheels/*.whl" | wc -l)
+            how="pip, one call"
+        else
+            for w in wheels/*.whl; do
+                if out=$(pip_install "$w"); then
+                    ok=$((ok + 1))
+                else
+                    bad=$((bad + 1))
+                    row "$(basename "$w")" FAIL "$(printf '%s\n' "$out" | grep -v '^[[:space:]]*$' | tail -1)"
+                fi
+            done
+            how="pip: the one call failed, then one at a time"
+        fi
     else  # no pip in the image: unpack each wheel onto PYTHONPATH (no entry-point scripts; imports work)
         site="$PWD/.wheels-site"
         mkdir -p "$site"

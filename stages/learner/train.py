@@ -648,6 +648,9 @@ def run_learner(
     `<out_dir>/../learn`. Raises SmdInputError (nothing written) on bad input or a failed parity gate.
     """
     t_start = time.perf_counter()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # learner/peak_device_mb is this run's peak, not the process's (`smdctl chain` runs the rollout before it)
+        torch.cuda.reset_peak_memory_stats()
     out_dir = Path(out_dir)
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
     run = setup(params, iteration, Path(policy_path), trajectories_path, masks_path, log)
