@@ -126,3 +126,49 @@ def test_zero_buckets_fit_the_model_on_cuda_only():
     assert bucket_size(40_000) == DS_BUCKET_DEFAULT == 500_000_000  # never above DeepSpeed's default
     cpu = ds_config(cfg, 1, 1, torch.float32, cuda=False, hidden_size=2048)["zero_optimization"]
     assert cpu == {"stage": cfg.zero_stage}  # the CPU keeps DeepSpeed's defaults
+
+
+@pytest.fixture(scope="module")
+def learn_setup(tmp_path_factory):
+    from tests.helpers import make_iteration, make_params, make_prompts
+
+    root = tmp_path_factory.mktemp("nonfinite")
+    model_dir = make_model_dir(root, "gqa")
+    traj, masks = make_iteration(root, model_dir, make_prompts(root), make_params())
+    return model_dir, traj, masks
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_loss_or_gradient_stops_the_learner_and_writes_nothing(tmp_path, monkeypatch, learn_setup,
+                                                                           where):
+    """Injected into the second micro-batch: a NaN loss, or a finite loss whose gradient is infinite (d sqrt(u)/du
+    at u = 0), as a bf16 overflow would give."""
+    from stages.learner import train
+    from tests.helpers import make_params
+
+    model_dir, traj, masks = learn_setup
+    real = train.objective_loss
+    calls = []
+
+    def injected(cfg, batch):
+        loss, terms = real(cfg, batch)
+        calls.append(1)
+        if len(calls) == 2:
+            if where == "loss":
+                return loss * float("nan"), {**terms, "loss/total": float("nan")}
+            logp = batch.masked_logp if batch.masked_logp is not None else batch.dense_logp
+            return loss + torch.sqrt((logp - logp.detach()).sum()), terms
+        return loss, terms
+
+    monkeypatch.setattr(train, "objective_loss", injected)
+    out = tmp_path / "iter-001" / "policy"
+    with pytest.raises(train.NonFiniteError) as info:
+        train.run_learner(make_params(**{"learner.micro_batch_size": 1}), 1, model_dir, traj, masks, out)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("learn iteration 1: non-finite ")
+    if where == "loss":
+        assert "non-finite loss at step 1, micro-batch 2 of " in message and "(nan)" in message
+    else:
+        assert "non-finite gradient norm at step 1 (micro-batches 1-" in message
+    assert info.value.exit_code == 1
+    assert not out.exists() and not (tmp_path / "iter-001" / "learn").exists()  # nothing written
