@@ -173,7 +173,7 @@ class RowLog:
 
 class RowReader:
     """Reads a RowLog's file while its writer runs: the new complete lines since the last call (a cut last line
-    waits for its end); `running` is the last started item with no row after it."""
+    waits for its end); `running` is the last started item without its own row yet."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -199,7 +199,8 @@ class RowReader:
                 self.running = record["started"]
                 continue
             row = Row(**{k: str(record.get(k, "")) for k in ("part", "item", "result", "detail")})
-            self.running = None
+            if row.item == self.running:  # its own row; another (an e2e figure harvested meanwhile) leaves it
+                self.running = None
             fresh.append(row)
         self.rows += fresh
         return fresh
@@ -613,8 +614,11 @@ def learner_part(shape: str = "qwen3-1.7b", device: str = "cuda", dtype: str = "
     try:
         from stages.bench.learner import measure_steps
 
-        measure_steps(shape, lengths, modes, device=device, dtype=dtype, rounds=rounds,
-                      on_row=lambda r: rows.append(log.add(learner_row(r))))
+        def on_row(r: dict) -> None:
+            rows.append(log.add(learner_row(r)))
+            log.start("learner", f"after {rows[-1].item}")  # what runs next is not known here: the last one done
+
+        measure_steps(shape, lengths, modes, device=device, dtype=dtype, rounds=rounds, on_row=on_row)
     except Exception as exc:  # noqa: BLE001 - outside one learner's step (import, set-up)
         rows.append(log.add(Row("learner", "measure_steps", "ERROR", one_line(exc))))
     return rows

@@ -190,3 +190,20 @@ def test_e2e_rows_from_the_run_directory(gpu_check, tmp_path):
     assert table["iter 1 learner attention_backend"] == "flex"
     text = gpu_check.format_table(rows, "title")
     assert text.splitlines()[0] == "title" and len(text.splitlines()) == len(rows) + 4
+
+
+def test_row_reader_reads_complete_lines_and_tracks_what_runs(gpu_check, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    log, reader = gpu_check.RowLog(path), gpu_check.RowReader(path)
+    assert reader.new() == [] and reader.running is None  # no file yet
+    log.start("e2e", "chain (2 iterations)")
+    log.add(gpu_check.Row("e2e", "iter 1 reward/mean", "0.500"))  # a figure harvested while the chain runs
+    with open(path, "a") as f:
+        f.write('{"part": "e2e", "item": "cut')  # a line still being written
+    assert [r.item for r in reader.new()] == ["iter 1 reward/mean"]
+    assert reader.running == "chain (2 iterations)"
+    with open(path, "a") as f:
+        f.write(' short", "result": "ok"}\n')
+    assert [r.item for r in reader.new()] == ["cut short"]
+    log.add(gpu_check.Row("e2e", "chain (2 iterations)", "ok", "90s"))
+    assert [r.result for r in reader.new()] == ["ok"] and reader.running is None
