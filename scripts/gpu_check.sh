@@ -17,8 +17,7 @@
 # machine without one (the lent GPU machine: Python 3.12, torch 2.11, transformers 5.17 in its image), carry
 # the missing packages as cp312 wheels in ./wheels/ (built by scripts/gpu_wheels.sh; pass `wheels` as carry): this
 # script installs them without an index or dependency resolution (one pip call; if that fails, one wheel at a
-# time, each failure a row of the table)
-# (a machine without pip gets them unpacked onto PYTHONPATH instead). The check runs from the checkout
+# time, a wheel pip refuses unpacked onto PYTHONPATH, each wheel neither installs a FAIL row of the table). The check runs from the checkout
 # (PYTHONPATH): the project's pins are for registries; the code supports torch >= 2.11 and transformers >= 5.17.
 # vLLM's GPU build is too large to carry: the vLLM engine stays untested there. PYTHON picks the interpreter.
 set -euo pipefail
@@ -29,36 +28,31 @@ INSTALL_LOG="$(mktemp /tmp/smd-gpu-install.XXXXXX)"
 trap 'rm -f "$INSTALL_LOG"' EXIT
 row() { printf '%s\t%s\t%s\n' "$1" "$2" "$(printf '%s' "$3" | tr '\t\n' '  ' | cut -c1-160)" >> "$INSTALL_LOG"; }
 if compgen -G "wheels/*.whl" > /dev/null; then
-    t0=$(date +%s); ok=0; bad=0
+    t0=$(date +%s); ok=0; unpacked=0; bad=0; cause=""
+    site="$PWD/.wheels-site"
     pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps "$@" 2>&1; }
-    if "$PY" -m pip --version > /dev/null 2>&1; then
-        # one pip call for all (each call costs a start-up); when it fails, one at a time, each failure a row
-        if pip_install wheels/*.whl > /dev/null; then
-            ok=$(compgen -G "wheels/*.whl" | wc -l)
-            how="pip, one call"
-        else
-            for w in wheels/*.whl; do
-                if out=$(pip_install "$w"); then
-                    ok=$((ok + 1))
-                else
-                    bad=$((bad + 1))
-                    row "$(basename "$w")" FAIL "$(printf '%s\n' "$out" | grep -v '^[[:space:]]*$' | tail -1)"
-                fi
-            done
-            how="pip: the one call failed, then one at a time"
-        fi
-    else  # no pip in the image: unpack each wheel onto PYTHONPATH (no entry-point scripts; imports work)
-        site="$PWD/.wheels-site"
-        mkdir -p "$site"
+    last() { printf '%s\n' "$1" | grep -v '^[[:space:]]*$' | tail -1; }
+    if "$PY" -m pip --version > /dev/null 2>&1 && out=$(pip_install wheels/*.whl); then
+        ok=$(compgen -G "wheels/*.whl" | wc -l)  # one pip call for all: each call costs a start-up
+    else
+        # one wheel at a time; a wheel pip refuses (no pip, an externally managed interpreter, ...) is unpacked
+        # onto PYTHONPATH instead (imports work; no entry-point scripts); what neither installs is a FAIL row
+        cause="$(last "${out:-no pip}")"
         for w in wheels/*.whl; do
-            if out=$("$PY" -m zipfile -e "$w" "$site" 2>&1); then ok=$((ok + 1)); else
-                bad=$((bad + 1)); row "$(basename "$w")" FAIL "$(printf '%s\n' "$out" | tail -1)"; fi
+            out=""; out2=""
+            if "$PY" -m pip --version > /dev/null 2>&1 && out=$(pip_install "$w"); then
+                ok=$((ok + 1))
+            elif out2=$("$PY" -m zipfile -e "$w" "$site" 2>&1); then
+                unpacked=$((unpacked + 1))
+            else
+                bad=$((bad + 1))
+                row "$(basename "$w")" FAIL "pip: $(last "${out:-no pip}"); unpack: $(last "$out2")"
+            fi
         done
-        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-        how="no pip: unpacked into .wheels-site"
     fi
+    if [ "$unpacked" -gt 0 ]; then export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"; fi
     row "wheels/*.whl" "$([ "$bad" = 0 ] && echo ok || echo FAIL)" \
-        "$ok installed, $bad failed ($how), $(($(date +%s) - t0))s"
+        "$ok installed by pip, $unpacked unpacked onto PYTHONPATH, $bad failed, $(($(date +%s) - t0))s${cause:+ (one pip call failed: $cause)}"
 else
     row "wheels/*.whl" SKIP "no wheels/ here: the check uses what is installed"
 fi

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,7 @@ def test_skipped():
     pass
 
 def test_hangs():
+    open("hanging", "w").close()
     time.sleep(600)
 
 def test_never_reached():
@@ -98,17 +101,31 @@ def test_never_reached():
 """
 
 
-def test_a_pytest_part_killed_at_its_limit_keeps_the_tests_it_finished(gpu_check, tmp_path):
+def test_a_pytest_part_killed_mid_run_keeps_the_tests_it_finished(gpu_check, tmp_path):
+    """pytest killed while a test hangs (stopped through the check's stop event once the hanging test runs, so the
+    test does not depend on how fast pytest starts; the time limit takes the same path: next test)."""
     (tmp_path / "test_part.py").write_text(PYTEST_PART)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_check_plugin",
            "test_part.py"]
-    rows = gpu_check.run_child("correctness", cmd, limit_s=6, cwd=tmp_path)
+    stop = threading.Event()
+
+    def watch():
+        while not (tmp_path / "hanging").exists() and not stop.is_set():
+            time.sleep(0.1)
+        stop.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        rows = gpu_check.run_child("correctness", cmd, limit_s=300, cwd=tmp_path, stop=stop)
+    finally:
+        stop.set()
     got = [(r.item, r.result) for r in rows]
     assert got == [("test_passes", "PASS"), ("test_fails", "FAIL"), ("test_skipped", "SKIP"),
-                   ("test_hangs", "TIMEOUT")]
+                   ("test_hangs", "STOPPED")]
     assert rows[1].detail.startswith("AssertionError: four is not five")
     assert rows[2].detail == "not on this machine"
-    assert rows[3].detail.startswith("killed at the part's 6s limit; 3 rows above kept")
+    assert rows[3].detail == "stopped by a signal; 3 rows above kept"
     assert gpu_check.tally(rows) == {"PASS": 1, "SKIP": 1, "failed": 2, "measured": 0}
     assert not gpu_check.check_passed(rows, cuda=False)
 
@@ -120,7 +137,7 @@ def test_a_child_killed_mid_part_keeps_its_rows_and_a_crash_is_a_row(gpu_check, 
               "log.add(m.Row('learner', 'T=8 dense learner', '0.1 s/step')); log.start('learner', 'T=8 smd'); {then}")
     fmt = {"root": str(ROOT), "path": str(ROOT / "scripts" / "gpu_check.py")}
     rows = gpu_check.run_child("learner", [sys.executable, "-c", script.format(then="time.sleep(600)", **fmt)],
-                               limit_s=3)
+                               limit_s=5)
     assert [(r.item, r.result) for r in rows] == [("T=8 dense learner", "0.1 s/step"), ("T=8 smd", "TIMEOUT")]
     rows = gpu_check.run_child("learner", [sys.executable, "-c", script.format(then="raise SystemExit('boom')",
                                                                                   **fmt)], limit_s=60)
