@@ -577,6 +577,10 @@ class NonFiniteError(SmdInputError):
     exit_code = 1
 
 
+def _few(rows: list[int], n: int = 8) -> str:
+    return ", ".join(map(str, rows[:n])) + (f", ... ({len(rows)} rows)" if len(rows) > n else "")
+
+
 def stop_if_nonfinite(run: LearnerRun, value: float | None, what: str) -> None:
     """Collective (every process calls it at the same point): raise NonFiniteError naming `what` on every process
     when `value` is NaN or infinite on any of them (None: not measured, passes)."""
@@ -607,7 +611,7 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
         weight = float(denom[rows].sum()) / total if real else 0.0
         terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weights, weight_mean)
         stop_if_nonfinite(run, terms.get("loss/total"), f"loss at step {run.global_step + 1}, micro-batch {i + 1} of "
-                          f"{len(step.micro)} (rows {rows})")
+                          f"{len(step.micro)} (rows {_few(rows)})")
         if real:
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
         if parity is not None and i == len(step.micro) - 1:  # before the update: the gate may still refuse
@@ -616,7 +620,7 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
     run.global_step += 1
     grad_norm = run.engine.get_global_grad_norm()
     stop_if_nonfinite(run, None if grad_norm is None else float(grad_norm),
-                      f"gradient norm at step {run.global_step} (micro-batches 1-{len(step.micro)}, rows {step.rows})")
+                      f"gradient norm at step {run.global_step} (micro-batches 1-{len(step.micro)}, rows {_few(step.rows)})")
     record = stats.reduce(run.ctx, run.data, step.rows, run.cfg.tis_cap)
     record.update(weights.rejection(step.rows))
     seconds = time.perf_counter() - t_step
