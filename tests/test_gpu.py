@@ -136,3 +136,34 @@ def test_flex_equals_sdpa_through_the_model_on_cuda(tmp_path, dtype):
     for name, g in results["sdpa"][1].items():
         diff = float((results["flex"][1][name] - g).abs().max())
         assert diff <= grad_tol * max(1.0, float(g.abs().max())), f"{name}: {diff:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rollout_attention_takes_a_fused_kernel_on_cuda(dtype):
+    """The rollout engine's SDPA calls (decoding over the slot cache's validity mask, the padded and the unpadded
+    prefill, GQA with 4 query heads per KV head) run with SDPA restricted to flash / memory-efficient (issue 32:
+    `enable_gqa` with a mask, or in float32, falls to the math kernel), and equal the enable_gqa path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from stages.common.kvcache.sampler import sdpa_gqa, sdpa_layout
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, H, G, D, C, P = 2, 2, 4, 128, 200, 96
+
+    def qkv(Q, S):
+        return [torch.randn(*shape, generator=g).to("cuda", dtype)
+                for shape in ((B, H * G, Q, D), (B, H, S, D), (B, H, S, D))]
+
+    valid = torch.rand(B, H, 1, C, generator=g) < 0.7
+    valid[..., 0] = True
+    i, pad = torch.arange(P), torch.tensor([0, 5])
+    padded = ((i[None, :] <= i[:, None])[None] & (i[None, None, :] >= pad[:, None, None])) | torch.eye(P).bool()
+    calls = [("decode", qkv(1, C), {"mask": valid.cuda()}), ("padded prefill", qkv(P, P), {"mask": padded[:, None].cuda()}),
+             ("unpadded prefill", qkv(P, P), {"causal": True})]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, (q, k, v), kw in calls:
+        ref = sdpa_gqa(q, k, v, D**-0.5, layout="gqa", **kw)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            out = sdpa_gqa(q, k, v, D**-0.5, **kw)  # raises "No available kernel" if only math would take it
+        layout = sdpa_layout(q, k, "mask" in kw)
+        assert float((out.float() - ref.float()).abs().max()) <= tol, f"{name} ({layout})"

@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -333,27 +334,54 @@ def _sync(device: str) -> None:
 
 
 def measure_steps(shape: str, lengths, modes, device: str = "cpu", dtype: str = "float32", rounds: int = 2,
-                  block_size: int = 128, chunk_tokens: int | None = None) -> list[dict[str, Any]]:
+                  block_size: int = 128, chunk_tokens: int | None = None,
+                  on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """The learners side by side in this process, on `device` (the GPU check, scripts/gpu_check.py): per T one
     model of `shape`; per learner a warm-up step (FlexAttention compiles, AdamW allocates its state), then
     `rounds` timed steps (synchronised; the median counts) and the working memory of one step on CUDA:
     `torch.cuda.max_memory_allocated` minus the memory allocated before it (model, AdamW state and inputs
     excluded, as `run_learner_bench` excludes them from RSS). On the CPU peak is NaN (`run_learner_bench`
-    measures RSS in a process per learner). A learner that runs out of memory gets status "OOM", the others
-    still run. Rows: T, mode, status, step_s, peak_mb, and time / memory ratios to dense at the same T."""
+    measures RSS in a process per learner). A learner that runs out of memory gets status "OOM at N GiB" (the
+    peak allocated since its start), any other exception "ERROR: <its one-line cause>"; the others still run.
+    Rows: T, mode, status, step_s, peak_mb, and time / memory ratios to dense at the same T (dense measured
+    before them); `on_row` gets each row the moment it is complete (the GPU check writes it out at once)."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
     rows: list[dict[str, Any]] = []
+
+    def failed(exc: BaseException) -> str:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return f"OOM at {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+        text = str(exc).strip().splitlines()
+        return f"ERROR: {type(exc).__name__}" + (f": {text[0][:120]}" if text else "")
+
+    def finish(row: dict[str, Any], dense: dict[str, Any]) -> None:
+        row["time_ratio"] = _ratio(row["step_s"], dense.get("step_s", float("nan")))
+        row["mem_ratio"] = _ratio(row["peak_mb"], dense.get("peak_mb", float("nan")))
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     for T in lengths:
         learner = None
         per_mode: dict[str, dict[str, Any]] = {}
         try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             learner = _Learner(T, block_size, 0, shape, chunk_tokens, device=device, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - the model itself does not fit or build: every learner's row
+            status = failed(exc)
             for mode in modes:
+                finish({"T": T, "mode": mode, "status": status, "step_s": float("nan"), "peak_mb": float("nan")}, {})
+            continue
+        try:
+            for mode in sorted(modes, key=lambda m: m != "dense"):  # dense first: the others' ratios need it
                 row: dict[str, Any] = {"T": T, "mode": mode, "status": "ok", "step_s": float("nan"),
                                        "peak_mb": float("nan")}
                 try:
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
                     learner.step(mode)  # warm-up
                     _sync(device)
                     if cuda:
@@ -368,27 +396,19 @@ def measure_steps(shape: str, lengths, modes, device: str = "cpu", dtype: str = 
                     row["step_s"] = statistics.median(times)
                     if cuda:
                         row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-                except torch.cuda.OutOfMemoryError:
-                    row["status"] = "OOM"
+                except Exception as exc:  # noqa: BLE001 - one learner's failure is its row; the others still run
+                    row["status"] = failed(exc)
                     learner.opt.zero_grad(set_to_none=True)
                 per_mode[mode] = row
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
-        except torch.cuda.OutOfMemoryError:  # the model itself does not fit
-            per_mode = {m: {"T": T, "mode": m, "status": "OOM", "step_s": float("nan"), "peak_mb": float("nan")}
-                        for m in modes}
+                finish(row, per_mode.get("dense", {}))
         finally:
             del learner
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-        dense = per_mode.get("dense", {})
-        for mode in modes:
-            row = per_mode[mode]
-            row["time_ratio"] = _ratio(row["step_s"], dense.get("step_s", float("nan")))
-            row["mem_ratio"] = _ratio(row["peak_mb"], dense.get("peak_mb", float("nan")))
-            rows.append(row)
     return rows
 
 

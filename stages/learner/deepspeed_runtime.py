@@ -51,15 +51,33 @@ UNIVERSAL_TAG = f"{STATE_TAG}_universal"
 SAME, UNIVERSAL = "same", "universal"
 
 
+# DeepSpeed's ZeRO default for both buckets: 5e8 elements (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig:
+# `reduce_bucket_size` and `allgather_bucket_size` = pp_int(5e8)), a 2 GiB float32 buffer.
+DS_BUCKET_DEFAULT = 500_000_000
+
+
+def bucket_size(hidden_size: int) -> int:
+    """ZeRO's reduce / all-gather bucket (elements) fitted to the model: hidden_size**2, what transformers'
+    DeepSpeed integration fills in for `reduce_bucket_size: auto` (integrations/deepspeed.py,
+    `trainer_config_finalize`), never above DeepSpeed's default of 5e8."""
+    return int(min(DS_BUCKET_DEFAULT, hidden_size * hidden_size))
+
+
 def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtype, cuda: bool,
-              load_universal: bool = False) -> dict[str, Any]:
+              load_universal: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
+    """The engine's config. On CUDA with `hidden_size` known, ZeRO's buckets are `bucket_size(hidden_size)`
+    instead of DeepSpeed's 5e8-element default (issue 32: a 2 GiB float32 buffer on the GPU); the CPU keeps
+    DeepSpeed's defaults."""
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cuda and hidden_size:
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = bucket_size(hidden_size)
     return {
         "checkpoint": {"load_universal": load_universal},
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": cfg.micro_batch_size * grad_accum * world,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         # bf16 on CPU too (DeepSpeed's CPU accelerator supports it): fp32 master weights and optimizer state
         "bf16": {"enabled": dtype == torch.bfloat16},
@@ -85,7 +103,8 @@ def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int, re
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
         config=ds_config(cfg, ctx.world, grad_accum, dtype, ctx.device.type == "cuda",
-                         load_universal=resume_from is not None and resume_mode(resume_from, cfg, ctx) == UNIVERSAL),
+                         load_universal=resume_from is not None and resume_mode(resume_from, cfg, ctx) == UNIVERSAL,
+                         hidden_size=getattr(getattr(model, "config", None), "hidden_size", None)),
     )
     return engine
 

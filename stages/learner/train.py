@@ -61,7 +61,7 @@ from schemas.metrics import write_metrics
 from schemas.params import Params, format_validation_error
 from schemas.params.learner import LearnerParams
 from schemas.weights import write_weights_digest
-from stages.common.distributed import write_collectively
+from stages.common.distributed import agree, write_collectively
 from stages.common.model import check_positions, load_policy, load_tokenizer, place_model
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
 from stages.learner.deepspeed_runtime import (
@@ -570,6 +570,27 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     return terms, mb, logp, dense_logp, scores["entropy"]
 
 
+class NonFiniteError(SmdInputError):
+    """A non-finite loss or gradient (on a GPU usually a bf16 overflow): the learner stops with one line naming the
+    iteration, the step and the micro-batch, before anything is written (the CLI's one-line error, exit 1)."""
+
+    exit_code = 1
+
+
+def _few(rows: list[int], n: int = 8) -> str:
+    return ", ".join(map(str, rows[:n])) + (f", ... ({len(rows)} rows)" if len(rows) > n else "")
+
+
+def stop_if_nonfinite(run: LearnerRun, value: float | None, what: str) -> None:
+    """Collective (every process calls it at the same point): raise NonFiniteError naming `what` on every process
+    when `value` is NaN or infinite on any of them (None: not measured, passes)."""
+    error = None
+    if value is not None and not math.isfinite(value):
+        error = NonFiniteError(f"learn iteration {run.iteration}: non-finite {what} ({value}); nothing written "
+                               "(in bf16 on a GPU usually an overflow: try model.dtype float32 or a lower learner.lr)")
+    agree(run.ctx, None, error)
+
+
 def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, np.ndarray],
                ref: dict[int, np.ndarray] | None, parity: dict[str, float] | None = None) -> dict[str, Any] | None:
     """One optimizer step over a mini-batch (its micro-batches accumulate); the step's record, or None when the
@@ -589,6 +610,8 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
     for i, (rows, real) in enumerate(step.micro):
         weight = float(denom[rows].sum()) / total if real else 0.0
         terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weights, weight_mean)
+        stop_if_nonfinite(run, terms.get("loss/total"), f"loss at step {run.global_step + 1}, micro-batch {i + 1} of "
+                          f"{len(step.micro)} (rows {_few(rows)})")
         if real:
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
         if parity is not None and i == len(step.micro) - 1:  # before the update: the gate may still refuse
@@ -596,6 +619,8 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
         run.engine.step()
     run.global_step += 1
     grad_norm = run.engine.get_global_grad_norm()
+    stop_if_nonfinite(run, None if grad_norm is None else float(grad_norm),
+                      f"gradient norm at step {run.global_step} (micro-batches 1-{len(step.micro)}, rows {_few(step.rows)})")
     record = stats.reduce(run.ctx, run.data, step.rows, run.cfg.tis_cap)
     record.update(weights.rejection(step.rows))
     seconds = time.perf_counter() - t_step
@@ -648,6 +673,9 @@ def run_learner(
     `<out_dir>/../learn`. Raises SmdInputError (nothing written) on bad input or a failed parity gate.
     """
     t_start = time.perf_counter()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # learner/peak_device_mb is this run's peak, not the process's (`smdctl chain` runs the rollout before it)
+        torch.cuda.reset_peak_memory_stats()
     out_dir = Path(out_dir)
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
     run = setup(params, iteration, Path(policy_path), trajectories_path, masks_path, log)

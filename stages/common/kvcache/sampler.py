@@ -228,12 +228,10 @@ def _prefill_output(st: RolloutState, query, key, value, scaling: float):
             out[:, :, start:end] = part_out
             attn_obs[..., :end] += part
         return out, attn_obs
-    groups = query.shape[1] // H
     if st.padded:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=st.prefill_mask(0, P, P), scale=scaling,
-                                             enable_gqa=groups > 1)
+        out = sdpa_gqa(query, key, value, scaling, mask=st.prefill_mask(0, P, P))
     else:  # no mask: SDPA may take its fused (flash / memory-efficient) kernels, as transformers' sdpa does
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+        out = sdpa_gqa(query, key, value, scaling, causal=True)
     if need == "window":
         w = min(st.eviction["window"], P)
         return out, _attend_grouped(query[:, :, -w:], key, None, st.prefill_mask(P - w, P, P), scaling, H)[1]
@@ -271,20 +269,66 @@ def _front_slots(slots: LayerSlots, capacity: int) -> tuple[LayerSlots, torch.Te
     return LayerSlots(slot_pos=new_pos, extra=extras), order
 
 
+def sdpa_layout(query: torch.Tensor, key: torch.Tensor, masked: bool, fused: bool | None = None) -> str:
+    """How `sdpa_gqa` hands grouped-query attention to SDPA.
+
+    "gqa": SDPA's `enable_gqa` (the CPU, or no GQA; on CUDA also an unmasked half-precision call, which flash
+    takes). On CUDA only flash and math support `enable_gqa`, and flash takes no explicit mask and no float32
+    (PyTorch's sdp_utils), so a masked or float32 call would fall to the math kernel. Instead, on CUDA
+    (`fused` None: the query's device decides):
+    "grouped": one query per sequence (decoding): a KV head's group of query heads become its queries
+        (query [B, Hq, 1, D] -> [B, H, groups, D]), the mask [B, H, 1, C] broadcast over them: plain attention
+        the memory-efficient kernel takes with its mask, without a copy of the cache;
+    "expand": several queries (prefill): the KV heads repeated to the query heads (`repeat_kv`, as transformers'
+        sdpa attention does), then plain attention with the mask or `is_causal`.
+    """
+    groups = query.shape[1] // key.shape[1]
+    fused = query.device.type == "cuda" if fused is None else fused
+    if groups == 1 or not fused or (not masked and query.dtype in (torch.float16, torch.bfloat16)):
+        return "gqa"
+    return "grouped" if query.shape[2] == 1 else "expand"
+
+
+def sdpa_gqa(query, key, value, scaling: float, mask: torch.Tensor | None = None, causal: bool = False,
+             layout: str | None = None) -> torch.Tensor:
+    """SDPA of query [B, Hq, Q, D] over GQA keys / values [B, H, S, D] with a boolean `mask` (broadcastable to
+    [B, H or 1, Q, S]; True = attend) or `causal`, laid out for a fused kernel (`sdpa_layout`; `layout` forces
+    one, e.g. to test every layout on the CPU). Returns [B, Hq, Q, D]; every layout computes the same
+    attention (tests/test_gpu_path.py pins them to "gqa")."""
+    groups = query.shape[1] // key.shape[1]
+    layout = layout or sdpa_layout(query, key, mask is not None)
+    if layout == "gqa":
+        if mask is not None and mask.shape[1] > 1 and groups > 1:
+            mask = mask.repeat_interleave(groups, dim=1)  # per KV head -> per query head
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+                                              enable_gqa=groups > 1)
+    if layout == "grouped":
+        B, Hq, Q, D = query.shape
+        H = key.shape[1]
+        assert Q == 1 and not causal, "the grouped layout is for one query per sequence"
+        out = F.scaled_dot_product_attention(query.reshape(B, H, groups, D), key, value, attn_mask=mask,
+                                             scale=scaling)
+        return out.reshape(B, Hq, 1, value.shape[-1])
+    if layout == "expand":
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        if mask is not None and mask.shape[1] > 1:
+            mask = mask.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling)
+    raise ValueError(f"unknown SDPA layout {layout!r}")
+
+
 def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: float):
     """One query per sequence over the layer's slots (the new key already inserted); then evict down to the
     step's keep count. Returns the attention output [B, Hq, 1, D]."""
     slots = st.slots[layer]
     H = key.shape[1]
-    groups = query.shape[1] // H
     valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
     if st.policy.needs_attention != "none" and st.evicts_while_decoding:
         out, probs = _attend_grouped(query, key, value, valid, scaling, H)
         st.policy.observe_decode(layer, slots, probs)
     else:
-        mask = valid.repeat_interleave(groups, dim=1) if groups > 1 else valid  # [B, Hq, 1, C]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                             enable_gqa=groups > 1)
+        out = sdpa_gqa(query, key, value, scaling, mask=valid)
     if st.step_excess > 0:
         sc = st.policy.scores(layer, slots)
         evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.step_window,
