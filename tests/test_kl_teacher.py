@@ -201,6 +201,11 @@ def test_report_tells_the_teacher_arms_apart():
     base = {"objective": "smd", "policy": "snapkv", "keep_ratio": 0.5, "kl_lambda": 0.1}
     assert _series_label(base) == _series_label({**base, "kl_teacher": "current"}) == "smd λ0.1 / snapkv @ 0.5"
     assert _series_label({**base, "kl_teacher": "reference"}) == "smd λ0.1 teacher:reference / snapkv @ 0.5"
+    assert _series_label({**base, "kl_teacher": "ema"}) == "smd λ0.1 teacher:ema / snapkv @ 0.5"
+    released = {**base, "objective": "smd_released"}
+    assert _series_label(released) == _series_label({**released, "eviction_apply": True}) == \
+        "smd_released λ0.1 / snapkv @ 0.5"
+    assert _series_label({**released, "eviction_apply": False}) == "smd_released λ0.1 / snapkv simulated @ 0.5"
 
 
 # ------------------------------------------------------------------------------------------ the EMA teacher

@@ -226,3 +226,20 @@ def test_learner_terms_equal_a_float64_recomputation(tmp_path):
     assert steps[0][TRUSTED_FRACTION] == pytest.approx(np.mean(trusted_fraction))
     assert 0 < steps[0][TRUSTED_FRACTION] < 1  # the filter bites on this batch: the check has power
     assert kl > 10 * bound
+
+
+def test_simulated_rollout_feeds_smd_released(tmp_path):
+    """The code's own setting end to end: a rollout that samples densely and records SnapKV's prefill decisions
+    (rollout.eviction.apply false), compacted, then one smd_released step whose filter bites; the masked objectives'
+    parity gate refuses the same batch (its log-probs are the dense policy's, not the masked one's)."""
+    model_dir = make_model_dir(tmp_path, "gqa")
+    over = {"rollout.eviction.compress": "prefill_only", "rollout.eviction.apply": "false"}
+    params = make_params(**{"learner.objective": "smd_released", **over})
+    traj, masks = make_iteration(tmp_path, model_dir, make_prompts(tmp_path), params)
+    steps = json.loads(run_learner(params, 1, model_dir, traj, masks, tmp_path / "policy")["steps"].read_text())
+    assert 0 < steps[0][TRUSTED_FRACTION] < 1
+    # dense sampling: the rollout's log-probs are the dense learner's, so the distillation term starts at ~0
+    assert steps[0]["mismatch/logprob_abs_diff_max"] < 1e-4 and steps[0]["loss/kl_dense"] < 1e-5
+    with pytest.raises(SmdInputError, match="parity gate"):
+        run_learner(make_params(**{"learner.objective": "shadow", **over}), 1, model_dir, traj, masks,
+                    tmp_path / "shadow")

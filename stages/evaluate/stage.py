@@ -48,8 +48,8 @@ def eviction_for(mode: str, params: Params) -> EvictionParams:
     """The KV-cache compression of an evaluation mode."""
     if mode == "dense":
         return DENSE
-    if mode == "compressed":
-        return params.rollout.eviction
+    if mode == "compressed":  # applied, also when the rollout only simulates it (rollout.eviction.apply false)
+        return params.rollout.eviction.model_copy(update={"apply": True})
     raise ValueError(f"unknown evaluation mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
