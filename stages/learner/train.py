@@ -156,11 +156,10 @@ def trusted_rows(cfg: LearnerParams, data: LearnerData) -> dict[int, np.ndarray]
     """Per row, smd_released's trusted response tokens (bool [R_row]): the released code's visibility of each
     token's query row under the row's shadow mask <= retention + released_margin (`stages.learner.released`)."""
     retention = released_retention(cfg, data)
-    out: dict[int, np.ndarray] = {}
-    for r in range(len(data)):
-        ev = read_evict_at(data, [r])[0].numpy()
-        out[r] = released_trusted(released_visibility(ev, len(data.prompt_ids[r])), retention, cfg.released_margin)
-    return out
+    rows = list(range(len(data)))
+    return {r: released_trusted(released_visibility(ev.numpy(), len(data.prompt_ids[r])), retention,
+                                cfg.released_margin)
+            for r, ev in zip(rows, read_evict_at(data, rows))}
 
 
 # ------------------------------------------------------------------------------------------ scoring
