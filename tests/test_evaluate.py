@@ -102,6 +102,24 @@ def test_dense_eviction_gives_identical_modes(setup):
     assert m["eval/compressed/kv_kept_fraction"] == 1.0 and m["eval/agreement"] == 1.0
 
 
+def test_compressed_eviction_scores_a_dense_arm_under_compression(setup, snapkv_run):
+    """evaluate.compressed_eviction: a dense-rollout arm's compressed mode runs the given compression, so its
+    compressed figures are those of an arm whose rollout compresses with it (here: the snapkv run's), not a copy
+    of its dense ones."""
+    root, model_dir, prompts = setup
+    ev = {f"evaluate.compressed_eviction.{k}": v for k, v in
+          _params().rollout.eviction.model_dump(exclude_none=True).items()}
+    params = _params(**{"rollout.eviction.policy": "dense", **ev})
+    assert params.evaluate.compressed_eviction == _params().rollout.eviction
+    out = run_evaluate(params, 3, model_dir, prompts, root / "dense-arm", show_progress=False)
+    got, want = json.loads(out["details"].read_text()), json.loads(snapkv_run["details"].read_text())
+    for key in ("eval/compressed/score", "eval/compressed/kv_kept_fraction", "eval/dense/score"):
+        assert got[key] == want[key], key
+    assert got["eval/compressed/kv_kept_fraction"] < 1.0
+    assert got["config"]["compressed_eviction"]["policy"] == "snapkv"
+    assert got["config"]["rollout"]["eviction"]["policy"] == "dense"
+
+
 def _empty_prompts(path):
     table = pa.Table.from_pylist([], schema=PROMPTS_SCHEMA).replace_schema_metadata(
         {b"schema_version": SCHEMA_VERSION.encode(), b"kind": b"prompts", b"config": b"{}"})

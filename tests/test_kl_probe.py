@@ -175,6 +175,51 @@ def test_probe_end_to_end(tmp_path, policy):
     assert sum(parts) == pytest.approx(grads["kl"]["dot_with_nll"], rel=1e-5)
     assert sum(v["tokens"] for v in record["by_visible"].values()) == \
         record["tokens"] - record["classes"]["no_fact"]["tokens"]
+    # the step's gradient decomposition against float64 autograd on full logits (an independent path: no chunked
+    # scoring, no shared prefix): g_pg = grad of -sum A log pi_masked / n, g_kl = grad of the mean full-vocabulary KL
+    dec = record["decomposition"]
+    want = _decomposition64(model_dir, art / "iter-001", record["rows"], record["temperature"], record["kl_lambda"])
+    for key in ("pg_norm", "kl_norm", "weighted_kl_norm", "smd_norm"):
+        assert dec[key] == pytest.approx(want[key], rel=1e-4), key
+    assert dec["cosine_pg_kl"] == pytest.approx(want["cosine_pg_kl"], abs=1e-4)
+    assert want["pg_norm"] > 0 and want["kl_norm"] > 0
+    import io
+
+    from rich.console import Console
+
+    from stages.tools.kl_probe import render
+
+    buf = io.StringIO()
+    render(record, Console(file=buf, width=200))
+    assert f"cos(g_pg, g_kl) {dec['cosine_pg_kl']:+.3f}" in buf.getvalue()
+
+
+def _decomposition64(model_dir, iteration_dir, rows, temperature, kl_lambda):
+    from schemas.params.learner import LearnerParams
+    from stages.learner.data import build_micro_batch, load_learner_data
+
+    model = load_policy(model_dir).double()
+    cfg = model.config
+    data = load_learner_data(LearnerParams(), iteration_dir / "rollout" / "trajectories.arrow",
+                             iteration_dir / "compact" / "masks.zarr", cfg.num_hidden_layers,
+                             cfg.num_key_value_heads, need_masks=True)
+    mb = build_micro_batch(data, list(rows), masked=True)
+    masked, targets, valid = response_logits(model, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens)
+    with torch.no_grad():
+        dense, _, _ = response_logits(model, mb.input_ids, None, mb.prompt_lens, mb.resp_lens)
+    log_q = torch.log_softmax(masked / temperature, -1)
+    log_p = torch.log_softmax(dense / temperature, -1)
+    n = int(valid.sum())
+    logp = log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    adv = torch.tensor([data.advantages[r] for r in rows], dtype=torch.float64).unsqueeze(1)
+    pg = -(adv * logp * valid).sum() / n
+    kl = ((log_p.exp() * (log_p - log_q)).sum(-1) * valid).sum() / n
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_pg = torch.cat([g.reshape(-1) for g in torch.autograd.grad(pg, params, retain_graph=True)])
+    g_kl = torch.cat([g.reshape(-1) for g in torch.autograd.grad(kl, params)])
+    return {"pg_norm": float(g_pg.norm()), "kl_norm": float(g_kl.norm()),
+            "weighted_kl_norm": kl_lambda * float(g_kl.norm()), "smd_norm": float((g_pg + kl_lambda * g_kl).norm()),
+            "cosine_pg_kl": float(g_pg @ g_kl) / float(g_pg.norm() * g_kl.norm())}
 
 
 def test_cli_missing_artifact(tmp_path):

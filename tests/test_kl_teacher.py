@@ -14,6 +14,7 @@ from schemas.errors import SmdInputError
 from schemas.params.learner import KL_TEACHERS
 from stages.common.model import load_policy
 from stages.learner.data import build_micro_batch, load_learner_data
+from stages.learner.ema import EMA_FILE, ema_update_
 from stages.learner.logprobs import chunked_token_scores
 from stages.learner.shadow_attention import response_logits
 from stages.learner.train import run_learner
@@ -200,3 +201,91 @@ def test_report_tells_the_teacher_arms_apart():
     base = {"objective": "smd", "policy": "snapkv", "keep_ratio": 0.5, "kl_lambda": 0.1}
     assert _series_label(base) == _series_label({**base, "kl_teacher": "current"}) == "smd λ0.1 / snapkv @ 0.5"
     assert _series_label({**base, "kl_teacher": "reference"}) == "smd λ0.1 teacher:reference / snapkv @ 0.5"
+    assert _series_label({**base, "kl_teacher": "ema"}) == "smd λ0.1 teacher:ema / snapkv @ 0.5"
+    released = {**base, "objective": "smd_released"}
+    assert _series_label(released) == _series_label({**released, "eviction_apply": True}) == \
+        "smd_released λ0.1 / snapkv @ 0.5"
+    assert _series_label({**released, "eviction_apply": False}) == "smd_released λ0.1 / snapkv simulated @ 0.5"
+
+
+# ------------------------------------------------------------------------------------------ the EMA teacher
+def test_ema_update_against_a_hand_computation():
+    """ema <- d * ema + (1 - d) * policy, parameter by parameter, in float64 by hand; shared (tied) weights once."""
+    torch.manual_seed(0)
+    policy, ema = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    before = {n: p.detach().double().clone() for n, p in ema.named_parameters()}
+    ema_update_(ema, policy, 0.9)
+    for name, p in ema.named_parameters():
+        want = 0.9 * before[name] + 0.1 * dict(policy.named_parameters())[name].detach().double()
+        assert torch.allclose(p.detach().double(), want, rtol=1e-6, atol=1e-7), name
+    ema_update_(ema, policy, 0.0)  # decay 0: the policy itself
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), policy.parameters()))
+    with pytest.raises(SmdInputError, match="ema_decay must be in"):
+        ema_update_(ema, policy, 1.0)
+    with pytest.raises(SmdInputError, match="do not match"):
+        ema_update_(ema, torch.nn.Linear(4, 3, bias=False), 0.5)
+
+
+def _ema_dir(policy_dir, ema_file, out):
+    """A policy directory holding the saved EMA's weights (to score it as a model)."""
+    from safetensors.torch import load_file
+
+    model = load_policy(policy_dir)
+    saved = load_file(str(ema_file))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(saved[name])
+    model.save_pretrained(out)
+    return out
+
+
+def test_ema_teacher_chain_hand_computed_resumed_bit_for_bit_and_teaching(tmp_path, setup):
+    """Iteration 1 starts the average from the policy (its KL is the paper's at the first step) and saves
+    d * theta_0 + (1 - d) * theta_1 with the new policy; iteration 2 loads it: its KL is the float64 KL of that
+    saved average (dense) to the policy (masked), its new average d * ema_1 + (1 - d) * theta_2; running iteration
+    2 again from the same checkpoint gives the same bytes (the chain resumes exactly)."""
+    from safetensors.torch import load_file
+
+    root, model_dir, _, traj, masks = setup
+    d = 0.8
+    over = {"learner.objective": "smd", "learner.kl_teacher": "ema", "learner.ema_decay": d}
+    params = make_params(**over)
+    out1 = run_learner(params, 1, model_dir, traj, masks, tmp_path / "p1")
+    ema1 = out1["policy"] / "trainer_state" / EMA_FILE
+    theta0, theta1, e1 = params_of(model_dir), params_of(out1["policy"]), load_file(str(ema1))
+    assert max_param_diff(theta0, theta1) > 1e-5
+    for name, value in e1.items():  # every trainable parameter (tied head: one entry)
+        want = d * theta0[name].double() + (1 - d) * theta1[name].double()
+        assert torch.allclose(value.double(), want, rtol=0, atol=1e-7), name
+    _, paper = _learn(tmp_path / "paper", model_dir, traj, masks)
+    steps1 = json.loads(out1["steps"].read_text())
+    config = load_policy(model_dir).config
+    assert steps1[0]["loss/kl_dense"] == pytest.approx(paper[0]["loss/kl_dense"],
+                                                       abs=float32_bound(model_chain(config, 64), 1.0))
+
+    traj2, masks2 = make_iteration(root, out1["policy"], make_prompts(root / "p2", seed=2), params, name="ema-it2")
+    runs = [run_learner(params, 2, out1["policy"], traj2, masks2, tmp_path / f"p2-{i}") for i in range(2)]
+    steps2 = json.loads(runs[0]["steps"].read_text())
+    want, longest = _kl64(out1["policy"], _ema_dir(model_dir, ema1, tmp_path / "ema1"), traj2, masks2)
+    bound = float32_bound(model_chain(config, longest), max(1.0, want))
+    assert abs(steps2[0]["loss/kl_dense"] - want) <= bound
+    # power: the KL to the policy itself (the paper's teacher at iteration 2) is another number
+    assert abs(_kl64(out1["policy"], out1["policy"], traj2, masks2)[0] - want) > bound
+    theta2, e2 = params_of(runs[0]["policy"]), load_file(str(runs[0]["policy"] / "trainer_state" / EMA_FILE))
+    for name, value in e2.items():
+        want2 = d * e1[name].double() + (1 - d) * theta2[name].double()
+        assert torch.allclose(value.double(), want2, rtol=0, atol=1e-7), name
+    again = runs[1]["policy"] / "trainer_state" / EMA_FILE
+    assert again.read_bytes() == (runs[0]["policy"] / "trainer_state" / EMA_FILE).read_bytes()
+    assert (runs[1]["policy"] / "model.safetensors").read_bytes() == \
+        (runs[0]["policy"] / "model.safetensors").read_bytes()
+
+
+def test_ema_teacher_refusals(tmp_path, setup):
+    _, model_dir, _, traj, masks = setup
+    with pytest.raises(SmdInputError, match="kl_teacher=ema: model.dtype bfloat16"):
+        run_learner(make_params(**{"learner.objective": "smd", "learner.kl_teacher": "ema",
+                                   "model.dtype": "bfloat16"}), 1, model_dir, traj, masks, tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+    with pytest.raises(Exception, match="ema_decay"):
+        make_params(**{"learner.ema_decay": 1.0})

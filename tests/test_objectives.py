@@ -554,11 +554,13 @@ def test_every_objective_is_registered_with_a_spec():
 def test_the_spec_table():
     specs = {name: objective_spec(name) for name in OBJECTIVES}
     assert {n for n, s in specs.items() if s.masked_forward} == {"smd", "shadow"}
-    assert {n for n, s in specs.items() if s.old_logp == "recomputed"} == {"naive", "tis", "sparse_rl"}
+    assert {n for n, s in specs.items() if s.old_logp == "recomputed"} == {"naive", "tis", "sparse_rl", "smd_released"}
     assert {n for n, s in specs.items() if s.old_logp == "rollout"} == {"smd", "shadow", "naive_bypass", "dense"}
     assert {n for n, s in specs.items() if s.dense_teacher} == {"smd"}
     assert {n: s.row_weights for n, s in specs.items() if s.row_weights != "none"} == {"tis": "tis",
                                                                                       "sparse_rl": "sparse_rl"}
+    assert {n for n, s in specs.items() if s.token_filter != "none"} == {"smd_released"}
+    assert {n for n, s in specs.items() if s.needs_masks} == {"smd", "shadow", "smd_released"}
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)
@@ -569,7 +571,8 @@ def test_each_objective_does_what_its_spec_says(name):
     spec = objective_spec(name)
     logp, rollout = T([[LN(0.5), LN(0.25)]]), T([[LN(0.4), LN(0.25)]])  # ratios 1.25 and 1 against the rollout
     field, other = ("masked_logp", "dense_logp") if spec.masked_forward else ("dense_logp", "masked_logp")
-    base = dict(advantages=T([1.0]), mask=torch.ones(1, 2, dtype=torch.bool), rollout_logp=rollout)
+    base = dict(advantages=T([1.0]), mask=torch.ones(1, 2, dtype=torch.bool), rollout_logp=rollout,
+                trusted_mask=torch.ones(1, 2, dtype=torch.bool))  # read only by a token_filter objective
     params = LearnerParams(objective=name, kl_lambda=0.1)
     with pytest.raises(SmdInputError, match=field):
         objective_loss(params, ObjectiveBatch(**base, **{other: logp}))

@@ -176,7 +176,7 @@ def test_dvc_exp_show_json(tmp_path):
     runs, skipped = parse_dvc_exp_show(_dvc_json())
     assert [r.name for r in runs] == ["exp-tis", "exp-smd"]
     assert runs[1].config == {"objective": "smd", "policy": "snapkv", "keep_ratio": 0.3, "kl_lambda": 0.1,
-                              "kl_tokens": "all", "kl_teacher": "current"}  # defaults
+                              "kl_tokens": "all", "kl_teacher": "current", "eviction_apply": True}  # defaults
     assert any("exp-queued" in s for s in skipped) and any("main" in s for s in skipped)
     assert "workspace (same as exp-smd)" in skipped
     path = tmp_path / "exps.json"

@@ -106,3 +106,39 @@ def test_eviction_params_reject_bad_budget():
         EvictionParams(keep_ratio=0.0)
     with pytest.raises(ValueError):
         EvictionParams(keep_ratio=1.5)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "random"])
+def test_simulated_eviction_samples_densely_and_records_the_compressed_decisions(models, policy):
+    """rollout.eviction.apply false: the tokens and log-probs are the dense rollout's (same seed, bit for bit), the
+    recorded mask is the compressed (prefill_only) rollout's decisions: the same prompt keys evicted at the same
+    query, no response key evicted."""
+    model = models["gqa"]
+    prompts = random_prompts([30, 22, 27], seed=11)
+
+    def run(ev):
+        return generate_batch(model, prompts, ev, 10, eos_token_id=None, temperature=1.0,
+                              generator=torch.Generator().manual_seed(5))[0]
+
+    dense = run(_eviction("dense"))
+    compressed = run(_eviction(policy, compress="prefill_only"))
+    simulated = run(_eviction(policy, compress="prefill_only", apply=False))
+    assert any(c.logprobs != d.logprobs for c, d in zip(compressed, dense))  # applied, eviction changes the policy
+    for d, c, s in zip(dense, compressed, simulated):
+        assert s.response_ids == d.response_ids and s.logprobs == d.logprobs
+        P = s.prompt_len
+        evicted_s, evicted_c = s.evict_at[:P] < len(s.evict_at), c.evict_at[:P] < len(c.evict_at)
+        assert evicted_s.any() and np.array_equal(evicted_s, evicted_c)
+        assert np.array_equal(s.evict_at[:P][evicted_s], c.evict_at[:P][evicted_c])
+        assert (s.evict_at[P:] == len(s.evict_at)).all() and (c.evict_at[P:] == len(c.evict_at)).all()
+
+
+def test_simulated_eviction_needs_prefill_only_and_evaluation_applies_it():
+    from schemas.params import load_params
+    from stages.evaluate.stage import eviction_for
+
+    with pytest.raises(ValueError, match="apply false simulates the prefill's eviction decisions only"):
+        _eviction("snapkv", apply=False)
+    params = load_params(None, ["rollout.eviction.compress=prefill_only", "rollout.eviction.apply=false"])
+    assert not params.rollout.eviction.apply
+    assert eviction_for("compressed", params).apply and eviction_for("compressed", params).policy == "snapkv"

@@ -11,14 +11,14 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Objective = Literal["smd", "shadow", "naive", "naive_bypass", "dense", "tis", "sparse_rl"]
+Objective = Literal["smd", "shadow", "naive", "naive_bypass", "dense", "tis", "sparse_rl", "smd_released"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 AdvantageScale = Literal["std", "none"]
 RefKlKind = Literal["k1", "k2", "k3"]
 TisLevel = Literal["token", "sequence"]
 AttentionBackend = Literal["auto", "sdpa", "flex", "tiled"]
 KlTokens = Literal["all", "keyed", "no_eos"]
-KlTeacher = Literal["current", "reference"]
+KlTeacher = Literal["current", "reference", "ema"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
@@ -49,9 +49,27 @@ class LearnerParams(BaseModel):
         "log-probs = the sparse rollout's (ratio pi_dense / pi_sparse from the first step; dual-clip); dense = the "
         "same rule as naive_bypass, named for dense rollouts (eviction policy dense), where rollout and dense "
         "learner log-probs coincide; tis = dense learner with truncated importance weights (verl's decoupled "
-        "TIS); sparse_rl = dense learner with Sparse-RL's rejection and reweighting (official configuration).",
+        "TIS); sparse_rl = dense learner with Sparse-RL's rejection and reweighting (official configuration); "
+        "smd_released = the rule of the SMD authors' released code (huthvincent/RL-Post-Training-with-KV-Cache-"
+        "Compression, SMD/src/shadow_distillation_loss.py): PPO-clip GRPO on the dense log-probs (old = recomputed) "
+        "over the response tokens whose shadow-mask visibility is <= released_retention + released_margin, plus "
+        "kl_lambda * mean(clamp(rollout_logp - dense_logp, min=0)), both per-sequence means over all valid tokens.",
     )
-    kl_lambda: float = Field(0.1, ge=0.0, description="Weight of KL(sg[pi_dense] || pi_masked) in `smd`.")
+    kl_lambda: float = Field(
+        0.1, ge=0.0, description="Weight of KL(sg[pi_dense] || pi_masked) in `smd`; of the one-sided distillation "
+        "term mean(clamp(rollout_logp - dense_logp, min=0)) in `smd_released` (the released code's "
+        "--shadow-distill-lambda, 0.1).",
+    )
+    released_retention: float | None = Field(
+        None, gt=0.0, le=1.0,
+        description="`smd_released`'s trusted-token filter: a response token counts when its shadow-mask "
+        "visibility is <= released_retention + released_margin (the released code's --shadow-retention-ratio). "
+        "null = the keep ratio the trajectory table records (rollout.eviction.keep_ratio of its producer).",
+    )
+    released_margin: float = Field(
+        0.05, ge=0.0, description="`smd_released`: the margin of the trusted-token filter (the released code's "
+        "hard-coded `retention_ratio + 0.05`).",
+    )
     kl_tokens: KlTokens = Field(
         "all",
         description=f"Where `smd`'s dense-teacher KL applies, one of {KL_TOKENS} (the policy term is unchanged): "
@@ -74,7 +92,19 @@ class LearnerParams(BaseModel):
         "teacher cannot drift with the student. smd's own option (issue 22 item 5): on pointer_chasing the "
         "paper's KL fell to ~0 (0.58 -> 0.004 at kl_lambda 0.8) while the dense policy lost the context it "
         "was meant to teach, because teacher and student share the weights the KL updates. The dense-vs-rollout "
-        "mismatch metrics (`dense_mismatch/*`) describe the current policy and are not logged with `reference`.",
+        "mismatch metrics (`dense_mismatch/*`) describe the current policy and are not logged with `reference`; "
+        "ema = an exponential moving average of the policy's weights (decay `ema_decay`), updated after every "
+        "optimizer step and saved with the policy (trainer_state/ema_teacher.safetensors; initialised from the "
+        "policy when absent): the mean teacher of BYOL (Grill et al. 2020), DINO (Caron et al. 2021) and Mean "
+        "Teacher (Tarvainen & Valpola 2017), the remedy for a self-distillation target that collapses with the "
+        "student. Both reference and ema run their own dense forward and hold a second copy of the weights.",
+    )
+    ema_decay: float = Field(
+        0.99, ge=0.0, lt=1.0,
+        description="`kl_teacher=ema`: after each optimizer step ema = ema_decay * ema + (1 - ema_decay) * policy "
+        "(BYOL's tau, DINO's teacher momentum; both start at 0.99-0.996 over many thousands of steps). With one "
+        "step per iteration, 0.99 gives the teacher a ~100-iteration memory: between the paper's current policy "
+        "(0) and the frozen warm start (1).",
     )
     lr: float = Field(
         3e-5, gt=0, description="AdamW learning rate (after warm-up). 3e-5 on the tiny default model: 1e-4 and "
@@ -169,6 +199,12 @@ class LearnerParams(BaseModel):
         description="`sparse_rl`, optional (not in the official configuration; verl's `geometric` rejection mode): "
         "also reject a sequence whose geometric-mean ratio exp(mean_t log(pi_dense / pi_rollout)) lies outside "
         "[1/c, c]. null = off.",
+    )
+    released_loss_agg: LossAgg | None = Field(
+        "seq_mean_token_mean",
+        description="`smd_released`'s loss aggregation: the released code reduces both terms with slime's "
+        "sum_of_sample_mean (per sequence: the sum over its tokens / its valid response tokens, then the mean over "
+        "sequences; no --calculate-per-token-loss in any released script). null = `loss_agg`.",
     )
     sparse_rl_loss_agg: LossAgg | None = Field(
         "seq_mean_token_mean",

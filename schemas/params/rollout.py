@@ -67,6 +67,15 @@ class EvictionParams(BaseModel):
         "every step); prefill_only: compress the prompt once (SnapKV's paper), keep every generated key.",
     )
     seed: int = Field(0, ge=0, description="Seed of the `random` policy.")
+    apply: bool = Field(
+        True, description="Apply the eviction while sampling (true). false = simulate it: sample with the full cache "
+        "(the tokens and log-probs of a dense rollout) and record the eviction decisions the policy makes at "
+        "prefill as the shadow mask, without applying them; the setting of the SMD authors' released code "
+        "(README: 'SMD never physically evicts KV entries during rollout'; its masks drop prompt keys only), for "
+        "`learner.objective: smd_released`. Needs compress prefill_only, whose decisions depend on the prompt "
+        "alone (every_step's depend on the compressed attention of each step). Evaluation's compressed mode "
+        "always applies the eviction.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EvictionParams:
@@ -78,6 +87,9 @@ class EvictionParams(BaseModel):
             )
         if self.pooling_kernel % 2 == 0:
             raise ValueError("pooling_kernel must be odd")
+        if not self.apply and self.compress != "prefill_only":
+            raise ValueError("apply false simulates the prefill's eviction decisions only: set compress "
+                             "prefill_only (every_step's decisions depend on the compressed attention of each step)")
         return self
 
 

@@ -2,7 +2,8 @@
 
 Both modes decode the same eval prompts greedily (temperature 0) through the rollout engine
 (stages.common.kvcache.sampler.generate_batch): `dense` with eviction policy "dense" (every key kept), `compressed`
-with the eviction the rollout samples with (`params.rollout.eviction`). So the compressed score is the
+with the eviction the rollout samples with (`params.rollout.eviction`; `evaluate.compressed_eviction` when set, e.g.
+to score a densely trained arm under the others' compression). So the compressed score is the
 accuracy of the policy as RL actually runs it, and dense - compressed is what the compression costs.
 Each response is scored with the task's metric (schemas.rewards: `score` and `exact_match`).
 
@@ -48,8 +49,9 @@ def eviction_for(mode: str, params: Params) -> EvictionParams:
     """The KV-cache compression of an evaluation mode."""
     if mode == "dense":
         return DENSE
-    if mode == "compressed":
-        return params.rollout.eviction
+    if mode == "compressed":  # applied, also when the rollout only simulates it (rollout.eviction.apply false)
+        eviction = params.evaluate.compressed_eviction or params.rollout.eviction
+        return eviction.model_copy(update={"apply": True})
     raise ValueError(f"unknown evaluation mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
@@ -112,7 +114,7 @@ def _mode_metrics(rows: list[dict[str, Any]], mode: str, seconds: float) -> dict
 def summary_table(metrics: dict[str, Any]) -> Table:
     """Dense vs compressed side by side (printed at the end of `smdctl evaluate`)."""
     cfg = metrics.get("config", {})
-    ev = cfg.get("rollout", {}).get("eviction", {})
+    ev = cfg.get("compressed_eviction") or cfg.get("rollout", {}).get("eviction", {})
     table = Table(title=f"evaluate iteration {metrics['iteration']}: {metrics['eval/prompts']} prompts, "
                         f"metric {metrics['metric']}")
     table.add_column("mode")
@@ -179,6 +181,7 @@ def run_evaluate(params: Params, iteration: int, policy_path: str | Path, eval_p
         "seed": params.seed,
         "evaluate": cfg.model_dump(),
         "rollout": {"eviction": params.rollout.eviction.model_dump()},
+        "compressed_eviction": eviction_for("compressed", params).model_dump(),  # what the compressed mode ran
         "learner": {"objective": params.learner.objective, "kl_lambda": params.learner.kl_lambda},
     }
     metrics: dict[str, Any] = {}

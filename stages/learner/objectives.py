@@ -27,6 +27,10 @@ batch)` dispatches on `params.objective`:
 - sparse_rl:    Sparse-RL (arXiv 2601.10079; the official lsjia/Sparse-RL code, slime `mis` configuration):
                 pg(dense_logp vs old_logp) over the kept tokens of the kept sequences, each weighted by
                 min(pi_old / pi_rollout, 1.5) normalised to mean 1 over the mini-batch; per-sequence token mean.
+- smd_released: the SMD authors' released code (huthvincent/RL-Post-Training-with-KV-Cache-Compression @ 26029e8,
+                SMD/src/shadow_distillation_loss.py): pg(dense_logp vs old_logp, old = recomputed) over the trusted
+                tokens (shadow-mask visibility <= retention + 0.05, `stages.learner.released`) + kl_lambda *
+                mean(clamp(rollout_logp - dense_logp, min=0)) over every valid token; both per-sequence means.
 plus `ref_kl_coef * KL(pi || pi_ref)` when a reference is configured. Every policy term is dual-clipped
 (verl's clip_ratio_c = 3) where A < 0. Every objective returns its terms under the names the learner logs
 (`LOSS_TERMS`, the `pg/*` stats of `policy_loss`, `is_weight/mean`, `rejection/*`).
@@ -67,6 +71,8 @@ __all__ = [
     "tis_weights",
     "sparse_rl_rejection",
     "sparse_rl_rules",
+    "one_sided_distillation_per_token",
+    "TRUSTED_FRACTION",
     "sparse_rl_weight_sums",
     "rejection_fractions",
     "loss_agg_for",
@@ -80,6 +86,9 @@ LOSS_TERMS = ("loss/pg", "loss/kl_dense", "loss/kl_ref", "loss/total")
 # The fraction of the valid response tokens smd's dense-teacher KL applied to (`learner.kl_tokens`, `kl_mask`),
 # logged per step when the learner runs the teacher (1.0 for `all`).
 KL_TOKEN_FRACTION = "kl/token_fraction"
+# smd_released: the per-sequence mean fraction of the valid response tokens its trusted-token filter keeps in the
+# policy term (`ObjectiveBatch.trusted_mask`), logged per step.
+TRUSTED_FRACTION = "released/trusted_fraction"
 
 # exp() of a log-ratio beyond this overflows float32 soon after; verl clamps at the same value.
 _LOG_RATIO_CLAMP = 20.0
@@ -360,6 +369,16 @@ def reference_kl(
     return aggregate(per_token, _valid(mask, logp), loss_agg)
 
 
+def one_sided_distillation_per_token(rollout_logp: Tensor, dense_logp: Tensor) -> Tensor:
+    """The distillation term of the SMD authors' released code per token, `[B, T]`:
+    clamp(rollout_logp - dense_logp, min=0), the rollout's log-probs a fixed target (detached here), the gradient
+    into the dense log-probs (-1 where the rollout's log-prob exceeds the dense one, else 0; torch's clamp passes
+    the gradient at equality). Source: huthvincent/RL-Post-Training-with-KV-Cache-Compression @ 26029e8,
+    SMD/src/shadow_distillation_loss.py, `kl_per_token = (shadow_target_lp - dense_lp).clamp(min=0)`."""
+    _same_shape("dense_logp", dense_logp, rollout_logp, "rollout_logp")
+    return (rollout_logp.detach() - dense_logp).clamp(min=0)
+
+
 # ----------------------------------------------------------------------------- off-policy corrections
 def tis_weights(
     learner_logp: Tensor,
@@ -485,9 +504,12 @@ def sparse_rl_rules(params: LearnerParams) -> dict[str, Any]:
 
 def loss_agg_for(params: LearnerParams) -> str:
     """The aggregation an objective runs with: `sparse_rl_loss_agg` for sparse_rl (the official per-sequence
-    token mean by default), else `loss_agg`."""
+    token mean by default), `released_loss_agg` for smd_released (the released code's per-sequence mean by
+    default), else `loss_agg`."""
     if params.objective == "sparse_rl" and params.sparse_rl_loss_agg is not None:
         return params.sparse_rl_loss_agg
+    if params.objective == "smd_released" and params.released_loss_agg is not None:
+        return params.released_loss_agg
     return params.loss_agg
 
 
@@ -515,6 +537,8 @@ class ObjectiveBatch:
                      `RowWeights`); None = `sparse_rl_rejection` of old_logp here (its rejection/* then in terms).
       sparse_rl_weight_mean  sparse_rl's batch-normalisation constant, the mean weight over the kept tokens of the
                      whole mini-batch; None = this batch's (the batch is the mini-batch).
+      trusted_mask   [B, T] smd_released's trusted tokens (`stages.learner.released`): the valid ones whose shadow-
+                     mask visibility is <= retention + margin; the policy term's numerator runs over them only.
     """
 
     advantages: Tensor
@@ -528,6 +552,7 @@ class ObjectiveBatch:
     ref_logp: Tensor | None = None
     sparse_rl_rejection: tuple[Tensor, Tensor] | None = None
     sparse_rl_weight_mean: float | None = None
+    trusted_mask: Tensor | None = None
 
 
 ObjectiveFn = Callable[[LearnerParams, ObjectiveBatch], tuple[Tensor, dict[str, float]]]
@@ -546,6 +571,8 @@ class ObjectiveSpec:
                     learner's `RowWeights`: they also set the micro-batch shares and the normalisation).
     dense_teacher:  adds kl_lambda * KL(sg[pi_dense] || pi_masked): with kl_lambda > 0 the learner runs the dense
                     teacher beside the masked policy.
+    token_filter:   "none"; "visibility" = the learner reads the compacted mask store (without a masked forward) and
+                    hands the objective smd_released's trusted tokens (`ObjectiveBatch.trusted_mask`).
     """
 
     name: str
@@ -554,6 +581,12 @@ class ObjectiveSpec:
     old_logp: Literal["rollout", "recomputed"]
     row_weights: Literal["none", "tis", "sparse_rl"] = "none"
     dense_teacher: bool = False
+    token_filter: Literal["none", "visibility"] = "none"
+
+    @property
+    def needs_masks(self) -> bool:
+        """Whether the learner reads the compacted mask store (the shadow-masked forward or the token filter)."""
+        return self.masked_forward or self.token_filter != "none"
 
 
 OBJECTIVE_REGISTRY: dict[str, ObjectiveSpec] = {}
@@ -566,6 +599,7 @@ def register_objective(
     old_logp: Literal["rollout", "recomputed"],
     row_weights: Literal["none", "tis", "sparse_rl"] = "none",
     dense_teacher: bool = False,
+    token_filter: Literal["none", "visibility"] = "none",
 ) -> Callable[[ObjectiveFn], ObjectiveFn]:
     """Decorator: register `fn(params, batch) -> (loss, terms)` as objective `name` (one of the `learner.objective`
     choices) with its `ObjectiveSpec`. A name registered twice raises ValueError."""
@@ -576,7 +610,8 @@ def register_objective(
         if name not in OBJECTIVES:
             raise ValueError(f"objective {name!r} is not a learner.objective choice ({', '.join(OBJECTIVES)})")
         OBJECTIVE_REGISTRY[name] = ObjectiveSpec(name=name, fn=fn, masked_forward=masked_forward, old_logp=old_logp,
-                                                 row_weights=row_weights, dense_teacher=dense_teacher)
+                                                 row_weights=row_weights, dense_teacher=dense_teacher,
+                                                 token_filter=token_filter)
         return fn
 
     return decorator
@@ -747,3 +782,39 @@ def sparse_rl_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor
             raise SmdInputError(f"sparse_rl_weight_mean must be > 0, got {mean}")
         weights = weights / mean
     return _weighted("sparse_rl", params, batch, logp, old, keep, weights, extra)
+
+
+@register_objective("smd_released", masked_forward=False, old_logp="recomputed", token_filter="visibility")
+def smd_released_loss(params: LearnerParams, batch: ObjectiveBatch) -> tuple[Tensor, dict[str, float]]:
+    """The rule of the SMD authors' released code, huthvincent/RL-Post-Training-with-KV-Cache-Compression, commit
+    26029e8bf9d5140ee8948cbc645d8b3414bbc994, SMD/src/shadow_distillation_loss.py (`shadow_distillation_loss_function`,
+    run by slime as a custom loss over one dense Megatron forward):
+
+      pg   = sum_of_sample_mean(max(-A r, -A clip(r, 1 - eps, 1 + eps)) * trusted), r = exp(dense_logp - old_logp),
+             old = slime's recomputed log-probs (`batch["log_probs"]`: no --use-rollout-logprobs in any released
+             script), `trusted` = visibility <= retention + 0.05 (`stages.learner.released`);
+      kl   = sum_of_sample_mean(clamp(rollout_logp - dense_logp, min=0)) over every valid token (no filter);
+      loss = pg + kl_lambda * kl,
+
+    sum_of_sample_mean (slime, cp_utils.get_sum_of_sample_mean; the loss then x num_microbatches / global batch) =
+    the mean over sequences of (sum over the sequence's valid tokens / its valid tokens): `released_loss_agg`
+    (seq_mean_token_mean), the trusted filter in the numerator only, as the file multiplies the per-token loss by
+    it before that reduction. No dual clip (`policy_loss(dual_clip_c=None)`); clip range clip_eps_low / high (the
+    file's symmetric --eps-clip 0.2 = the defaults). Left out: the file's `- entropy_coef * entropy` (slime's
+    entropy bonus, 0 by default, 0.01 in the released scripts): no smd objective has an entropy bonus and the
+    learner's entropy carries no gradient. Logged: `released/trusted_fraction` (per-sequence mean)."""
+    logp, old, valid = _policy_inputs("smd_released", batch)
+    _need("smd_released", trusted_mask=batch.trusted_mask)
+    trusted = valid & _valid(batch.trusted_mask, valid, "trusted_mask")
+    agg = loss_agg_for(params)
+    pg, stats = policy_loss(logp, old, batch.advantages, valid, clip_eps_low=params.clip_eps_low,
+                            clip_eps_high=params.clip_eps_high, loss_agg=agg, token_weights=trusted.to(logp.dtype),
+                            dual_clip_c=None)
+    stats[TRUSTED_FRACTION] = float(aggregate(trusted.to(torch.float64), valid, agg))
+    if params.kl_lambda > 0:
+        distill = aggregate(one_sided_distillation_per_token(batch.rollout_logp, logp), valid, agg)
+        return _finish("smd_released", params, batch, logp, valid, pg, pg + params.kl_lambda * distill, stats,
+                       float(distill.detach()))
+    with torch.no_grad():
+        logged = float(aggregate(one_sided_distillation_per_token(batch.rollout_logp, logp), valid, agg))
+    return _finish("smd_released", params, batch, logp, valid, pg, pg, stats, logged)

@@ -19,7 +19,11 @@ Flow of `run_learner(...)`, one named step each:
      dense forward of the same weights under no_grad as teacher -- the rows before the first eviction (the
      prompt, prefilled densely) are the same for both and run once (`response_hidden_with_teacher`; log-probs, entropy and the teacher KL from the final hidden states in token chunks, `chunked_token_scores`);
      with learner.kl_teacher=reference the teacher is instead the frozen policy at learner.reference_path
-     (`as_frozen_teacher`), its own dense forward under no_grad, then the masked forward of the policy;
+     (`as_frozen_teacher`), its own dense forward under no_grad, then the masked forward of the policy; with
+     learner.kl_teacher=ema the same with the EMA of the policy's weights (`stages.learner.ema`), updated after
+     each optimizer step and saved in the new policy's trainer_state/;
+     smd_released: the dense forward, its policy term over the trusted tokens (`stages.learner.released`, from
+     the mask store, computed once per row in `setup`);
      smd's KL on the tokens of learner.kl_tokens (`stages.learner.kl_tokens`: all, no_eos, keyed; the mask built
      here per micro-batch, keyed from the teacher's argmax of the chunked scoring);
      `objective_loss` (the objective registered under learner.objective). Each micro-batch loss is weighted
@@ -63,7 +67,7 @@ from schemas.params.learner import LearnerParams
 from schemas.weights import write_weights_digest
 from stages.common.distributed import agree, write_collectively
 from stages.common.model import check_positions, load_policy, load_tokenizer, place_model
-from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
+from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data, read_evict_at
 from stages.learner.deepspeed_runtime import (
     TRAINER_STATE,
     DistContext,
@@ -72,12 +76,14 @@ from stages.learner.deepspeed_runtime import (
     make_engine,
     save_trainer_state,
 )
+from stages.learner.ema import ema_path, ema_teacher, ema_update_, save_ema
 from stages.learner.kl_tokens import kl_token_mask
 from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
 from stages.learner.mismatch import check_finite, mismatch_metrics
 from stages.learner.objectives import (
     KL_TOKEN_FRACTION,
     LOSS_TERMS,
+    TRUSTED_FRACTION,
     ObjectiveBatch,
     ObjectiveSpec,
     loss_agg_for,
@@ -89,6 +95,7 @@ from stages.learner.objectives import (
     sparse_rl_weight_sums,
     zero_advantage_group_fraction,
 )
+from stages.learner.released import released_trusted, released_visibility
 from stages.learner.shadow_attention import (
     checkpointed_layers,
     enable_layer_checkpointing,
@@ -131,6 +138,28 @@ def as_frozen_teacher(reference, policy, path: str | Path):
             raise SmdInputError(f"{Path(path) / 'config.json'}: {key} {theirs} does not match the policy's {mine} "
                                 "(learner.reference_path, the teacher of learner.kl_teacher=reference)")
     return reference.requires_grad_(False)
+
+
+def released_retention(cfg: LearnerParams, data: LearnerData) -> float:
+    """smd_released's retention: `learner.released_retention`, or the keep ratio the trajectory table records
+    (rollout.eviction.keep_ratio of the rollout that produced it); one line when neither is there."""
+    if cfg.released_retention is not None:
+        return cfg.released_retention
+    keep = data.rollout_config.get("rollout", {}).get("eviction", {}).get("keep_ratio")
+    if keep is None:
+        raise SmdInputError(f"{data.trajectories_path}: its config records no rollout.eviction.keep_ratio; set "
+                            "learner.released_retention (the retention of smd_released's trusted-token filter)")
+    return float(keep)
+
+
+def trusted_rows(cfg: LearnerParams, data: LearnerData) -> dict[int, np.ndarray]:
+    """Per row, smd_released's trusted response tokens (bool [R_row]): the released code's visibility of each
+    token's query row under the row's shadow mask <= retention + released_margin (`stages.learner.released`)."""
+    retention = released_retention(cfg, data)
+    rows = list(range(len(data)))
+    return {r: released_trusted(released_visibility(ev.numpy(), len(data.prompt_ids[r])), retention,
+                                cfg.released_margin)
+            for r, ev in zip(rows, read_evict_at(data, rows))}
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -294,7 +323,8 @@ def _gather_dict(local: dict[int, np.ndarray], ctx: DistContext) -> dict[int, np
 class StepStats:
     """Per-step accumulation of loss terms (weighted by the micro-batch's share) and per-row log-probs."""
 
-    SUMMED = (*LOSS_TERMS, "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "is_weight/mean")
+    SUMMED = (*LOSS_TERMS, "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "is_weight/mean",
+              TRUSTED_FRACTION)
 
     def __init__(self) -> None:
         self.weighted: dict[str, float] = {}
@@ -363,8 +393,9 @@ class StepStats:
             "batch/zero_adv_group_frac": zero_advantage_group_fraction(
                 torch.from_numpy(data.rewards[in_groups]), torch.from_numpy(data.groups[in_groups])),
         }
-        if "is_weight/mean" in weighted:
-            out["is_weight/mean"] = weighted["is_weight/mean"]
+        for key in ("is_weight/mean", TRUSTED_FRACTION):
+            if key in weighted:
+                out[key] = weighted[key]
         if kl_tokens is not None:  # the fraction of the step's valid response tokens the teacher KL applied to
             out[KL_TOKEN_FRACTION] = kl_tokens / resp_tokens if resp_tokens else 0.0
         out.update(batch_mismatch(rows, logp, data, cap))
@@ -397,7 +428,8 @@ class LearnerRun:
     global_step: int
     temperature: float  # the sampler's (rollout.temperature): the learner scores that distribution
     ref_model: Any = None
-    teacher_model: Any = None  # learner.kl_teacher=reference: the frozen dense teacher (None: the policy itself)
+    teacher_model: Any = None  # learner.kl_teacher=reference / ema: the dense teacher model (None: the policy itself)
+    trusted: dict[int, np.ndarray] | None = None  # smd_released: the trusted response tokens per row
     say: Callable[[str], None] = lambda msg: None
 
     @property
@@ -416,12 +448,17 @@ class LearnerRun:
     def module(self):
         return self.engine.module
 
+    @property
+    def ema(self) -> bool:
+        """Whether the teacher is the EMA of the policy (`learner.kl_teacher=ema` with the teacher on)."""
+        return self.teacher and self.cfg.kl_teacher == "ema"
+
 
 def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: str | Path,
           masks_path: str | Path | None, log: Callable[[str], None] | None) -> LearnerRun:
     """Read and cross-check the inputs, join the process group, build the DeepSpeed engine, resume its state."""
     cfg = validated(params.learner)
-    masked = objective_spec(cfg.objective).masked_forward
+    spec = objective_spec(cfg.objective)
     seed = cfg.seed if cfg.seed is not None else params.seed
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -432,7 +469,9 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     model = load_policy(policy_path, params.model.dtype)
     mcfg = model.config
     num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
-    data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv, need_masks=masked)
+    data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv,
+                             need_masks=spec.needs_masks)
+    trusted = trusted_rows(cfg, data) if spec.token_filter == "visibility" else None
     longest = max(data.length(r) for r in range(len(data)))
     check_positions(model.config, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
     frozen_teacher = runs_dense_teacher(cfg) and cfg.kl_teacher == "reference"
@@ -440,6 +479,8 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     reference = (load_policy(cfg.reference_path, params.model.dtype)
                  if cfg.ref_kl_coef > 0 or frozen_teacher else None)
     teacher_model = as_frozen_teacher(reference, model, cfg.reference_path) if frozen_teacher else None
+    if runs_dense_teacher(cfg) and cfg.kl_teacher == "ema":  # a copy of the policy, then the saved average's weights
+        teacher_model = ema_teacher(model, policy_path, TRAINER_STATE, params.model.dtype)
     ref_model = reference if cfg.ref_kl_coef > 0 else None
 
     ctx = init_distributed(device=params.model.device)  # model.device for this local rank; gloo on CPU, NCCL on CUDA
@@ -462,7 +503,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
                       tokenizer=tokenizer, data=data, steps=steps, resumed=resumed,
                       global_step=int(resumed["global_step"]) if resumed else 0,
                       temperature=params.rollout.temperature, ref_model=ref_model, teacher_model=teacher_model,
-                      say=say)
+                      trusted=trusted, say=say)
 
 
 def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None, dict[str, float]]:
@@ -564,6 +605,7 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
         old_logp=_rows_tensor(rows, old, mb) if run.spec.old_logp == "recomputed" else None,
         ref_logp=_rows_tensor(rows, ref, mb) if ref is not None else None,
         sparse_rl_rejection=weights.rejection_of(mb), sparse_rl_weight_mean=weight_mean,
+        trusted_mask=_rows_tensor(rows, run.trusted, mb, torch.bool) if run.trusted is not None else None,
     )
     loss, terms = objective_loss(cfg, batch)
     run.engine.backward(loss * (weight * run.ctx.world), scale_wrt_gas=False)
@@ -618,6 +660,8 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
             parity.update(parity_gate(run, _gather_dict(stats.logp, run.ctx), time.perf_counter()))
         run.engine.step()
     run.global_step += 1
+    if run.ema:  # the optimizer step is done: the average moves toward the new weights
+        ema_update_(run.teacher_model, run.module, run.cfg.ema_decay)
     grad_norm = run.engine.get_global_grad_norm()
     stop_if_nonfinite(run, None if grad_norm is None else float(grad_norm),
                       f"gradient norm at step {run.global_step} (micro-batches 1-{len(step.micro)}, rows {_few(step.rows)})")
@@ -642,6 +686,8 @@ def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: di
         run.module.save_pretrained(tmp)
         run.tokenizer.save_pretrained(tmp)
         write_weights_digest(tmp)
+        if run.ema:  # the average continues from the checkpoint it is saved with
+            save_ema(run.teacher_model, ema_path(tmp, TRAINER_STATE))
 
     # DeepSpeed's checkpoint save is collective (every rank writes its optimizer shards), the Hugging Face
     # weights are rank 0's; write_collectively agrees on failures after each part, so a rank that fails
@@ -747,7 +793,7 @@ def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], weig
     if ctx.device.type == "cuda":
         out["learner/peak_device_mb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
     keys = (*LOSS_TERMS, "pg/clipfrac", "pg/dual_clipfrac", "pg/ratio_mean", "pg/approx_kl", "grad_norm",
-            "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac", KL_TOKEN_FRACTION)
+            "is_weight/mean", "policy/entropy", "batch/zero_adv_group_frac", KL_TOKEN_FRACTION, TRUSTED_FRACTION)
     for key in keys:
         values = [s[key] for s in series if key in s and math.isfinite(s[key])]
         if values:

@@ -26,6 +26,10 @@ trajectory rows:
                  mean over `eval_rows` eval prompts of the reference answer's summed NLL, full context,
                  temperature 1), the figure evaluate reports as eval/dense/reference_nll.
    Reported: the norms, <g, g_nll> and cos(g, g_nll).
+5. The step's gradient decomposition (`gradient_decomposition`): the update of smd at this iteration (its one
+   optimizer step) is along g_smd = g_pg + kl_lambda * g_kl, with g_pg the GRPO surrogate's gradient at ratio 1
+   and g_kl the mean KL's; reported |g_pg|, |g_kl|, kl_lambda |g_kl|, |g_smd| and cos(g_pg, g_kl) (0: the KL
+   pushes perpendicular to GRPO; < 0: against it), the numbers of issue 34's audit.
 
 Interpretation. A gradient step on the KL term moves the weights along -g_kl (times lr and kl_lambda). To first
 order the held-out NLL changes by -lr * <g_kl, g_nll>: a positive cosine means the KL step also lowers the
@@ -382,6 +386,9 @@ def probe_kl(artifacts: str | Path, iteration: int | None, settings: ProbeSettin
                                     state is lr * sign(g): its first-order effect), dot_by_group (<g, g_nll>
                                     split over the parameter groups embed / attn_qk / attn_vo / mlp / norm)
                                     (null where a class has no token)
+      decomposition                 the step's gradient split (`gradient_decomposition`): pg_norm |g_pg|, kl_norm
+                                    |g_kl|, weighted_kl_norm kl_lambda |g_kl|, smd_norm |g_pg + kl_lambda g_kl|,
+                                    cosine_pg_kl cos(g_pg, g_kl) (null when either is zero)
       steps                         for kl, pg, smd: the held-out NLL after one sign step -step_lr * sign(g)
                                     (Adam's first step), measured (nll_after - reference_nll) and predicted to
                                     first order (-step_lr * <sign(g), g_nll>)
@@ -398,8 +405,10 @@ def probe_kl(artifacts: str | Path, iteration: int | None, settings: ProbeSettin
     directions = update_directions(scores, pm.size, settings.kl_lambda)
     steps = sign_steps(pm, eval_table, directions, g_nll, nll, settings)
     gradients = gradient_entries(scores, directions, g_nll, group_slices(pm.model))
+    gradients_split = gradient_decomposition(directions["pg"], directions["kl"], settings.kl_lambda)
     stats = token_statistics(scores, pm.n_pairs, settings.seed)
-    return probe_record(inputs, pm, settings, scores.parity, len(eval_table), stats, nll, gradients, steps, t0)
+    return probe_record(inputs, pm, settings, scores.parity, len(eval_table), stats, nll, gradients, steps, t0,
+                        gradients_split)
 
 
 # ------------------------------------------------------------------------------ the probe's steps
@@ -534,6 +543,15 @@ def update_directions(scores: TokenScores, size: int, kl_lambda: float) -> dict[
     return {"kl": g_all, "pg": g_pg, "smd": g_pg + kl_lambda * g_all}
 
 
+def gradient_decomposition(g_pg: torch.Tensor, g_kl: torch.Tensor, kl_lambda: float) -> dict[str, float | None]:
+    """The smd step's gradient split: |g_pg|, |g_kl|, kl_lambda |g_kl|, |g_pg + kl_lambda g_kl| and cos(g_pg, g_kl)
+    (float64; the cosine null when either gradient is zero)."""
+    g_pg, g_kl = g_pg.double(), g_kl.double()
+    return {"pg_norm": float(g_pg.norm()), "kl_norm": float(g_kl.norm()),
+            "weighted_kl_norm": float(kl_lambda * g_kl.norm()),
+            "smd_norm": float((g_pg + kl_lambda * g_kl).norm()), "cosine_pg_kl": _num(cosine(g_pg, g_kl))}
+
+
 def sign_steps(pm: ProbeModel, eval_table: list[dict[str, Any]], directions: dict[str, torch.Tensor],
                g_nll: torch.Tensor, nll: float, settings: ProbeSettings) -> dict[str, dict[str, float]]:
     """Per direction g, the held-out NLL after the sign step -step_lr * sign(g) (the weights are restored after
@@ -654,7 +672,8 @@ def token_statistics(scores: TokenScores, n_pairs: int, seed: int) -> dict[str, 
 # ------------------------------------------------------------------------------ the record
 def probe_record(inputs: ProbeInputs, pm: ProbeModel, settings: ProbeSettings, parity: float, eval_rows: int,
                  stats: dict[str, Any], nll: float, gradients: dict[str, dict[str, Any]],
-                 steps: dict[str, dict[str, float]], t0: float) -> dict[str, Any]:
+                 steps: dict[str, dict[str, float]], t0: float,
+                 decomposition: dict[str, float | None] | None = None) -> dict[str, Any]:
     """The record `probe_kl` returns (fields in its docstring, in that order); `seconds` since `t0`."""
     return {
         "kind": KIND, "schema_version": SCHEMA_VERSION,
@@ -664,7 +683,7 @@ def probe_record(inputs: ProbeInputs, pm: ProbeModel, settings: ProbeSettings, p
         "eval_rows": eval_rows, "parity_logprob_abs_diff_max": parity,
         **stats,
         "reference_nll": nll, "kl_lambda": settings.kl_lambda, "step_lr": settings.step_lr,
-        "gradients": gradients, "steps": steps,
+        "gradients": gradients, "decomposition": decomposition, "steps": steps,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -724,6 +743,11 @@ def render(record: dict[str, Any], console) -> None:
                   f"eval prompts), |g_nll| {grads['nll']['norm']:.3g}. A step moves along -g: a negative cosine "
                   f"raises the held-out NLL to first order.\nNLL change after one Adam-like step -{record['step_lr']:g}"
                   f" * sign(g): {steps}.\n<g_kl, g_nll> by parameter group: {split}.")
+    dec = record.get("decomposition")
+    if dec:
+        console.print(f"the step's gradient: |g_pg| {dec['pg_norm']:.3g}, |g_kl| {dec['kl_norm']:.3g} (x kl_lambda "
+                      f"{dec['weighted_kl_norm']:.3g}), |g_smd| {dec['smd_norm']:.3g}, cos(g_pg, g_kl) "
+                      f"{f(dec['cosine_pg_kl'], '+.3f')}")
     vis = ", ".join(f"{k}: {v['tokens']} tok KL {v['kl_mean']:.3g}" for k, v in record["by_visible"].items())
     console.print(f"fact tokens by (layer, KV head) pairs that see the key: {vis or '-'}")
     vis = ", ".join(f"{k}: {v['tokens']} tok KL {v['kl_mean']:.3g}" for k, v in record["by_visible_needed"].items())

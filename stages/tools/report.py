@@ -44,9 +44,9 @@ PARAM_KEYS = {
     "keep_ratio": "rollout.eviction.keep_ratio",
 }
 # What labels a run: the table's parameter columns plus the KL weight, where the KL applies and whose dense forward
-# teaches (tell smd arms apart).
+# teaches (tell smd arms apart), and whether the rollout applied the eviction or only simulated it.
 CONFIG_KEYS = {**PARAM_KEYS, "kl_lambda": "learner.kl_lambda", "kl_tokens": "learner.kl_tokens",
-               "kl_teacher": "learner.kl_teacher"}
+               "kl_teacher": "learner.kl_teacher", "eviction_apply": "rollout.eviction.apply"}
 # (column header, stage, metrics key)
 VALUE_COLUMNS = [
     ("reward/mean", "rollout", "reward/mean"),
@@ -432,7 +432,10 @@ def _series_label(config: dict[str, Any]) -> str:
             objective += f" kl:{config['kl_tokens']}"
         if config.get("kl_teacher") not in (None, "current"):  # learner.kl_teacher; runs from before it: current
             objective += f" teacher:{config['kl_teacher']}"
-    return f"{objective} / {config.get('policy') or '?'} @ {config.get('keep_ratio') or '?'}"
+    if objective == "smd_released":  # the weight of its one-sided distillation term
+        objective += f" λ{config.get('kl_lambda')}"
+    simulated = " simulated" if config.get("eviction_apply") is False else ""  # rollout.eviction.apply false
+    return f"{objective} / {config.get('policy') or '?'}{simulated} @ {config.get('keep_ratio') or '?'}"
 
 
 # (title, [(stage, metrics key, line style, legend suffix)]) per panel of the learning curves.

@@ -399,6 +399,10 @@ def generate_batch(
     stop checks (0 = `stop_check_interval`'s default); the results do not depend on it. `compile`: run the
     decoding step through `torch.compile` (CUDA graphs on a GPU; see `compiled_decode_step`).
     """
+    simulated = None
+    if not eviction.apply:  # rollout.eviction.apply false: the prefill's decisions, recorded but not applied
+        simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id)
+        eviction = eviction.model_copy(update={"policy": "dense", "apply": True})
     state = new_state(model, prompts, eviction, max_new_tokens)
     cache = EvictingCache(state)
     kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
@@ -410,8 +414,24 @@ def generate_batch(
                                                     eos_token_id, pad_token_id, temperature,
                                                     generator, stop_check_interval(state.device, stop_check_every),
                                                     step)
+    if simulated is not None:  # the dense run's tokens and cache, the policy's decisions as the shadow mask
+        state.evict_at = simulated
     return sample_results(state, tokens, logprobs, lengths, stopped), batch_stats(model, state, cache,
                                                                                   max_new_tokens, lengths)
+
+
+def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int,
+                                pad_token_id: int) -> torch.Tensor:
+    """`rollout.eviction.apply: false`: the evict_at [L, B, H, P + max_new_tokens] the policy records at the prefill
+    of these prompts (compress prefill_only: a compressed rollout's only decisions, which depend on the prompts
+    alone), from one prefill of the evicting engine whose cache is then dropped; the caller samples densely."""
+    if eviction.compress != "prefill_only":
+        raise ValueError("rollout.eviction.apply false needs compress prefill_only")
+    state = new_state(model, prompts, eviction.model_copy(update={"apply": True}), max_new_tokens)
+    cache = EvictingCache(state)
+    with attention_implementation(model, ROLLOUT_ATTENTION):
+        prefill(model, prompts, state, cache, pad_token_id, {"smd_rollout_state": state, "smd_rollout_cache": cache})
+    return state.evict_at
 
 
 def _on_device(generator: torch.Generator | None, device: torch.device) -> torch.Generator | None:
