@@ -51,3 +51,8 @@ def register(app: typer.Typer) -> None:
             label = "warm start" if row["iteration"] == 0 else str(row["iteration"])
             table.add_row(label, *(f"{row[k]:.4g}" if k in row else "—" for k, _ in COLUMNS))
         Console(width=None if sys.stdout.isatty() else 160).print(table)
+        from stages.progress.stage import parity_note
+
+        note = guarded(lambda: parity_note(artifacts))
+        if note:
+            print(note)

@@ -462,11 +462,11 @@ def _independent_attention(module, query, key, value, attention_mask, dropout=0.
 
 
 def independent_replay(policy_dir: Path, trajectories: Path, masks: Path, temperature: float,
-                       dtype: torch.dtype = torch.float64) -> tuple[np.ndarray, np.ndarray]:
+                       dtype: torch.dtype = torch.float64) -> tuple[np.ndarray, np.ndarray, float]:
     """Replay every row of one iteration apart from the learner: read the trajectory table and the compacted mask
     store with the schemas' readers, run the policy one row at a time with attention written out by hand
     (`_independent_attention`) in `dtype`, and return (replayed log-probs, the rollout's) over all response
-    tokens, concatenated in row order."""
+    tokens, concatenated in row order, and the largest |logit| (before temperature) at those positions."""
     from transformers import AttentionInterface
 
     from schemas.compacted_masks import read_mask_rows
@@ -476,7 +476,7 @@ def independent_replay(policy_dir: Path, trajectories: Path, masks: Path, temper
     model.config._attn_implementation = "smd_test_independent"
     table = read_table(trajectories, "trajectories").to_pylist()
     evs = read_mask_rows(masks, [row["mask_row"] for row in table])
-    got, want = [], []
+    got, want, scale = [], [], 0.0
     with torch.no_grad():
         for row, ev in zip(table, evs):
             prompt, resp = row["prompt_token_ids"], row["response_token_ids"]
@@ -484,8 +484,9 @@ def independent_replay(policy_dir: Path, trajectories: Path, masks: Path, temper
             evict_at = torch.from_numpy(ev).permute(1, 2, 0).unsqueeze(1)  # [T, L, H] -> [L, 1, H, T]
             hidden = model.model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0),
                                  use_cache=False, independent_evict_at=evict_at).last_hidden_state
-            logits = model.lm_head(hidden[0, len(prompt) - 1: len(prompt) + len(resp) - 1]) / temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)
+            logits = model.lm_head(hidden[0, len(prompt) - 1: len(prompt) + len(resp) - 1])
+            scale = max(scale, float(logits.abs().max()))
+            lp = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)
             got.append(lp.double().numpy())
             want.append(np.asarray(row["rollout_logprobs"], dtype=np.float64))
-    return np.concatenate(got), np.concatenate(want)
+    return np.concatenate(got), np.concatenate(want), scale
