@@ -179,3 +179,28 @@ def test_rollout_learner_parity_on_the_architecture(converted):
     assert (lp - rec)[valid].abs().max().item() <= TOL
     assert (lp - rec)[valid].abs().max().item() <= float32_parity_bound(float(logits[valid].abs().max()), 0.8)
     assert (lpd - rec)[valid].abs().max().item() > 1e-3  # the mask matters
+
+
+def test_bench_rollout_on_a_model_directory(converted):
+    """`bench rollout --model DIR` (vLLM left out here: tests/test_vllm_engine.py covers it): every engine makes
+    its tokens, the dense engines hold the dense cache, and under one KV budget SnapKV fits at least as many
+    sequences as dense (twice as many up to its protected window)."""
+    from stages.bench.learner import describe_shape, is_model_dir
+    from stages.bench.rollout import bench_rollout_model, kv_bytes_per_token, largest_batch
+
+    lines: list[str] = []
+    rows = bench_rollout_model(converted, [40], new_tokens=3, repeats=1, engines=["generate", "dense", "snapkv"],
+                               budget_length=40, budget_sequences=2, print_fn=lines.append)
+    config = load_policy(converted).config
+    per_token = kv_bytes_per_token(config, 4)
+    assert per_token == 2 * 3 * 3 * 8 * 4
+    by = {(r["table"], r["engine"]): r for r in rows}
+    assert by["length", "dense"]["kv_bytes"] == by["length", "generate"]["kv_bytes"] == 1 * 43 * per_token
+    assert by["length", "snapkv"]["kv_bytes"] < by["length", "dense"]["kv_bytes"]
+    assert all(r["made"] == 3 * r["sequences"] for r in rows)
+    assert by["budget", "dense"]["sequences"] == by["budget", "generate"]["sequences"] == 2
+    assert by["budget", "snapkv"]["sequences"] >= 3
+    assert by["budget", "snapkv"]["kv_bytes"] <= by["budget", "dense"]["kv_bytes"]
+    assert largest_batch(100, 30) == 3 and largest_batch(10, 30) == 0
+    assert is_model_dir(str(converted)) and not is_model_dir("tiny")
+    assert "9 q / 3 kv heads" in describe_shape(str(converted))
