@@ -96,6 +96,7 @@ def test_from_gguf_equals_the_model_written(tmp_path):
     text = "What is 2+3? The fox has number 42."
     assert prompt_token_ids(tok2, text) == prompt_token_ids(tok, text)
     assert tok2.chat_template == SMOLLM2_TEMPLATE and tok2.eos_token == "<|im_end|>"
+    assert tok2.model_max_length == 512  # the model's positions, not the GGUF tokenizer's 1e30
     ids = prompt_token_ids(tok2, text)
     assert torch.equal(_logits(got, ids), _logits(model, ids))
 

@@ -190,6 +190,9 @@ def convert_model(source: str | Path, out: str | Path, dtype: str = "float32") -
     if not getattr(tokenizer, "chat_template", None):
         print(f"note: {path}: the tokenizer has no chat template; smd will prompt with plain text")
     _generation_config(model, tokenizer)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and tokenizer.model_max_length > positions:  # a GGUF tokenizer has no limit (1e30)
+        tokenizer.model_max_length = positions
     provenance = {
         "kind": PROVENANCE_KIND, "schema_version": PROVENANCE_SCHEMA_VERSION, "source": record,
         "dtype": dtype, "architecture": type(model).__name__,
