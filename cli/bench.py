@@ -79,6 +79,9 @@ def bench_rollout_cmd(
              "per engine under one KV-cache byte budget and its tokens/s.")] = None,
     engines: Annotated[str | None, typer.Option(
         help="With --model: comma-separated engines (default generate,dense,snapkv,vllm).")] = None,
+    budget_sequences: Annotated[int, typer.Option(
+        min=1, help="With --model: the KV-cache budget is the dense cache of this many sequences of 1024 prompt "
+                    "tokens plus the new tokens.")] = 4,
 ) -> None:
     """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
@@ -95,7 +98,8 @@ def bench_rollout_cmd(
 
         guarded(lambda: bench_rollout_model(
             model, parse_lengths(), keep_ratio, new_tokens or 32, repeats or 2,
-            [x.strip() for x in engines.split(",") if x.strip()] if engines else None))
+            [x.strip() for x in engines.split(",") if x.strip()] if engines else None,
+            budget_sequences=budget_sequences))
         return
     if processes:
         from stages.bench.rollout_scale import bench_rollout_processes
