@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from cli.common import guarded
+from schemas.errors import SmdInputError
 from schemas.params.rollout import POLICIES
 
 bench_app = typer.Typer(help="Benchmarks: ratios measured side by side in one run.", no_args_is_help=True)
@@ -72,10 +73,34 @@ def bench_rollout_cmd(
         help="With --processes: policy directory (default: the default tiny model, random init).")] = None,
     device: Annotated[str, typer.Option(help="Device, as model.device: auto, cpu, cuda, cuda:N.")] = "auto",
     compile: Annotated[bool, typer.Option(help="Compile smd's decoding step (rollout.compile).")] = False,
+    model: Annotated[Path | None, typer.Option(
+        help="A model directory (e.g. from `smdctl convert-model`): transformers `generate`, smd dense, smd SnapKV "
+             "and vLLM's CPU build at 256, 1k and 2k prompt tokens (--lengths to change), then the largest batch "
+             "per engine under one KV-cache byte budget and its tokens/s.")] = None,
+    engines: Annotated[str | None, typer.Option(
+        help="With --model: comma-separated engines (default generate,dense,snapkv,vllm).")] = None,
+    budget_sequences: Annotated[int, typer.Option(
+        min=1, help="With --model: the KV-cache budget is the dense cache of this many sequences of 1024 prompt "
+                    "tokens plus the new tokens.")] = 4,
 ) -> None:
     """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
-    wall time side by side."""
+    wall time side by side. With --model: a real model against vLLM (see --model)."""
+    if model is not None:
+        from stages.bench.rollout import bench_rollout_model
+
+        def parse_lengths() -> list[int] | None:
+            if lengths == "default,2048,4096":  # the option's default: the real model's own lengths
+                return None
+            if not all(x.strip().isdigit() for x in lengths.split(",") if x.strip()):
+                raise SmdInputError(f"--lengths: {lengths!r}: with --model, prompt lengths only")
+            return [int(x) for x in lengths.split(",") if x.strip()]
+
+        guarded(lambda: bench_rollout_model(
+            model, parse_lengths(), keep_ratio, new_tokens or 32, repeats or 2,
+            [x.strip() for x in engines.split(",") if x.strip()] if engines else None,
+            budget_sequences=budget_sequences))
+        return
     if processes:
         from stages.bench.rollout_scale import bench_rollout_processes
 
@@ -125,8 +150,13 @@ def bench_learner_cmd(
     device: Annotated[str, typer.Option(help="model.device's rule: auto (the GPU when CUDA is available), cpu, "
                                              "cuda, cuda:N.")] = "auto",
     dtype: Annotated[str, typer.Option(help="On a GPU: float32 or bfloat16.")] = "float32",
+    model: Annotated[Path | None, typer.Option(
+        help="A model directory (e.g. from `smdctl convert-model`) instead of --shape: its weights and config "
+             "(default lengths 256,1024; learners dense, smd tiled, smd sdpa).")] = None,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
+    if model is not None:
+        shape = str(model.resolve())
     from stages.bench.learner import run_learner_bench
 
     def split(text: str | None) -> list[str] | None:

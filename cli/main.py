@@ -30,6 +30,7 @@ def main(
 # One module per command (or command group); each exposes register(app).
 COMMAND_MODULES = [
     "cli.init_model",
+    "cli.convert_model",
     "cli.prepare",
     "cli.warmstart",
     "cli.rollout",

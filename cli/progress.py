@@ -54,3 +54,8 @@ def register(app: typer.Typer) -> None:
             table.caption = ("* the warm start stage's own greedy evaluation (warmstart.eval_max_new_tokens, all eval "
                              "prompts, dense only); the iterations use evaluate's settings")
         Console(width=None if sys.stdout.isatty() else 160).print(table)
+        from stages.progress.stage import parity_note
+
+        note = guarded(lambda: parity_note(artifacts))
+        if note:
+            print(note)

@@ -330,3 +330,163 @@ def flex_model_batch(tmp_path, policy: str, seed: int, ids_seed: int):
 #                  0   1   2  3   4   5  6   7   8  9   10  11  12 13
 INDUCTION_PROMPT = [50, 10, 11, 1, 11, 12, 1, 20, 21, 1, 10, 30, 2, 99]
 INDUCTION_RESPONSE = [10, 11, 3, 11, 12, 3, 12, 13]
+
+
+# ------------------------------------------------------------------ real-model shape (issue 31): SmolLM2's architecture, tiny
+# SmolLM2-135M-Instruct's ChatML template (default system prompt) and special tokens: <|endoftext|> 0 (unk),
+# <|im_start|> 1 (bos), <|im_end|> 2 (eos, pad).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def smollm2_like_tokenizer():
+    """A byte-level BPE tokenizer trained here (`build_bpe_tokenizer`, 512 tokens) with SmolLM2's special tokens,
+    their ids and its chat template."""
+    from stages.common.model import build_bpe_tokenizer
+    from stages.common.vocab import bpe_training_corpus
+
+    tok = build_bpe_tokenizer(bpe_training_corpus(), vocab_size=512)
+    tok.bos_token, tok.unk_token, tok.pad_token = "<|im_start|>", "<|endoftext|>", "<|im_end|>"
+    tok.chat_template = SMOLLM2_TEMPLATE
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    return tok
+
+
+def smollm2_like_model(vocab_size: int, seed: int = 0):
+    """A random LlamaForCausalLM with SmolLM2-135M's architecture at tiny sizes: GQA with 9 query and 3 KV heads,
+    tied embeddings, rope_theta 1e5, RMSNorm eps 1e-5, SiLU MLP, no biases."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=72, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # RMSNorm weights of 1 would hide a norm loaded into the wrong place
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def make_smollm2_like_dir(root: Path, seed: int = 0) -> Path:
+    """The tiny SmolLM2-shaped model and tokenizer saved as a plain Hugging Face directory (not smd's: no marker)."""
+    tok = smollm2_like_tokenizer()
+    model = smollm2_like_model(len(tok), seed)
+    out = Path(root) / "smollm2-like"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `permute` of q/k rows (transformers' GGUF loader reverses it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model, tokenizer, path: Path) -> Path:
+    """Write `model` (LlamaForCausalLM, tied) and its byte-level BPE `tokenizer` as a GGUF file, as llama.cpp's
+    converter lays it out (tensor names, q/k permutation, float32 tensors, gpt2 tokenizer with merges, special
+    token ids and the chat template), with the `gguf` package."""
+    import json as _json
+
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("smollm2-like")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    spec = _json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for added in spec["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = set(tokenizer.all_special_ids)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_unk_token_id(tokenizer.unk_token_id)
+    w.add_chat_template(tokenizer.chat_template)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            if gg == "attn_q":
+                t = _llama_cpp_permute(t, cfg.num_attention_heads)
+            elif gg == "attn_k":
+                t = _llama_cpp_permute(t, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ------------------------------------------------------------------ an independent replay of one iteration
+def _independent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention written out by hand (no SDPA, no smd code): query q sees key k iff k <= q and evict_at[k] > q."""
+    evict_at = kwargs["independent_evict_at"][module.layer_idx]  # [B, H_kv, T]
+    B, Hq, T, D = query.shape
+    groups = Hq // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    pos = torch.arange(T)
+    visible = (pos.view(1, 1, 1, T) <= pos.view(1, 1, T, 1)) & (evict_at.unsqueeze(2) > pos.view(1, 1, T, 1))
+    visible = visible.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else D ** -0.5)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return (probs @ value).transpose(1, 2).contiguous(), None
+
+
+def independent_replay(policy_dir: Path, trajectories: Path, masks: Path, temperature: float,
+                       dtype: torch.dtype = torch.float64) -> tuple[np.ndarray, np.ndarray, float]:
+    """Replay every row of one iteration apart from the learner: read the trajectory table and the compacted mask
+    store with the schemas' readers, run the policy one row at a time with attention written out by hand
+    (`_independent_attention`) in `dtype`, and return (replayed log-probs, the rollout's) over all response
+    tokens, concatenated in row order, and the largest |logit| (before temperature) at those positions."""
+    from transformers import AttentionInterface
+
+    from schemas.compacted_masks import read_mask_rows
+
+    AttentionInterface.register("smd_test_independent", _independent_attention)
+    model = load_policy(policy_dir).to(dtype)
+    model.config._attn_implementation = "smd_test_independent"
+    table = read_table(trajectories, "trajectories").to_pylist()
+    evs = read_mask_rows(masks, [row["mask_row"] for row in table])
+    got, want, scale = [], [], 0.0
+    with torch.no_grad():
+        for row, ev in zip(table, evs):
+            prompt, resp = row["prompt_token_ids"], row["response_token_ids"]
+            ids = torch.tensor([prompt + resp])
+            evict_at = torch.from_numpy(ev).permute(1, 2, 0).unsqueeze(1)  # [T, L, H] -> [L, 1, H, T]
+            hidden = model.model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0),
+                                 use_cache=False, independent_evict_at=evict_at).last_hidden_state
+            logits = model.lm_head(hidden[0, len(prompt) - 1: len(prompt) + len(resp) - 1])
+            scale = max(scale, float(logits.abs().max()))
+            lp = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)
+            got.append(lp.double().numpy())
+            want.append(np.asarray(row["rollout_logprobs"], dtype=np.float64))
+    return np.concatenate(got), np.concatenate(want), scale

@@ -191,6 +191,9 @@ def test_summary_rows_warm_start_and_iterations(tmp_path):
     warm_line = next(line for line in out.output.splitlines() if "warm start" in line)
     assert [c.strip() for c in warm_line.strip("│ ").split("│")] == ["warm start *", "—", "0.75", "—", "0.5", "—",
                                                                       "2.25", "—", "—", "—", "—"]
+    # what the |dlogp| column is held to (docs/design.md section 3): the largest gap, the gate, the float32 bound
+    assert "largest 1e-06 (iteration 1), held to the learner's gate." in out.output.replace("\n", " ")
+    assert "16 eps x max|logit| / temperature" in out.output.replace("\n", " ")
     assert "warm start stage's own greedy evaluation" in " ".join(out.output.split())
     # titled by task and model: the task from the predictions, the model from the policy iteration 1 sampled with
     model = tmp_path / "models" / "mine"

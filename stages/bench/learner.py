@@ -166,6 +166,10 @@ def build_bench_model(shape: str, T: int, device: str = "cpu", dtype: str = "flo
     from stages.common.model import build_tiny_model
     from stages.common.vocab import tiny_vocabulary
 
+    if is_model_dir(shape):  # a real model's weights (`--model DIR`)
+        from stages.common.model import load_policy
+
+        return load_policy(shape, dtype=dtype, device=device)
     if shape not in SHAPES:
         raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     import torch
@@ -186,10 +190,30 @@ def build_bench_model(shape: str, T: int, device: str = "cpu", dtype: str = "flo
     return model.to(dtype=DTYPES[dtype])
 
 
+def is_model_dir(shape: str) -> bool:
+    """Whether `shape` names a model directory (`bench learner --model DIR`) rather than one of `SHAPES`."""
+    return shape not in SHAPES and (Path(shape) / "config.json").is_file()
+
+
+def weights_note(shape: str) -> str:
+    return "" if is_model_dir(shape) else "random weights, "
+
+
+# `--model DIR`: lengths and learners sized for a 135M model on 2 cores (the CPU learner's default backend is sdpa).
+MODEL_DEFAULTS: dict[str, Any] = {"lengths": (256, 1024), "modes": ("dense", "smd_tiled", "smd_sdpa"),
+                                  "target_memory": TARGET_MEMORY}
+
+
 def describe_shape(shape: str) -> str:
     from schemas.params.model import TinyModelParams
     from stages.common.vocab import tiny_vocabulary
 
+    if is_model_dir(shape):
+        c = json.loads((Path(shape) / "config.json").read_text())
+        c.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        return (f"{shape} ({c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} q / "
+                f"{c.get('num_key_value_heads', c['num_attention_heads'])} kv heads, head_dim {c['head_dim']}, "
+                f"vocabulary {c['vocab_size']:,}, its own weights)")
     if shape == "tiny":
         t = TinyModelParams()
         c = {"vocab_size": len(tiny_vocabulary()), **t.model_dump()}
@@ -454,9 +478,10 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
     if dtype not in DTYPES:
         raise SmdInputError(f"bench learner: dtype {dtype!r}; choose from {', '.join(DTYPES)}")
 
-    if shape not in SHAPES:
-        raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-    defaults = SHAPE_DEFAULTS[shape]
+    if shape not in SHAPES and not is_model_dir(shape):
+        raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)} or give a model "
+                            "directory (--model)")
+    defaults = MODEL_DEFAULTS if is_model_dir(shape) else SHAPE_DEFAULTS[shape]
     lengths = list(lengths or defaults["lengths"])
     modes = list(modes or defaults["modes"])
     for mode in modes:
@@ -468,7 +493,7 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
         raise SmdInputError("bench learner: lengths must be >= 16 tokens")
     chunk_tokens = chunk_tokens or LearnerParams().logit_chunk_tokens
     if where.type == "cuda":
-        print_fn(f"bench learner on {where} ({dtype}): {describe_shape(shape)}, random weights, 1 sequence of T "
+        print_fn(f"bench learner on {where} ({dtype}): {describe_shape(shape)}, {weights_note(shape)}1 sequence of T "
                  f"tokens (prompt 3T/4), SnapKV-like masks keep 0.5; step = forward + backward + AdamW, median of "
                  f"{rounds} after a warm-up; peak = CUDA allocation during a step minus before it")
         print_fn(f"{'T':>6}  {'learner':<24}{'step s':>8}{'x dense':>9}{'peak MiB':>10}{'x dense':>9}")
@@ -485,7 +510,7 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
     rows: list[dict[str, Any]] = []
-    print_fn(f"bench learner: {describe_shape(shape)}, random weights, 1 sequence of T tokens "
+    print_fn(f"bench learner: {describe_shape(shape)}, {weights_note(shape)}1 sequence of T tokens "
              f"(prompt 3T/4, response T/4), SnapKV-like masks keep 0.5, flex block {block_size}, lm head in chunks of "
              f"{chunk_tokens} tokens, {threads or 'default'} torch thread(s). Step = forward + backward + AdamW. "
              f"Time: median of {rounds} interleaved rounds in one process per T; peak = step working memory (peak RSS "

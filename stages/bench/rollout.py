@@ -12,6 +12,7 @@ rounds and the fastest counts, so a noisy neighbour slows every column alike.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,4 +157,182 @@ def bench_rollout(shapes: list[str] | None = None, keep_ratio: float = 0.5, batc
             rows.append(row)
             print_fn(f"{label:>18} {engine:>8} {rate[engine]:>9.1f} {row['vs_generate']:>10.2f} "
                      f"{row['vs_dense']:>8.2f} {kv[engine]:>8.3f} {peak[engine]:>9.0f}")
+    return rows
+
+
+# ------------------------------------------------------------------ a real model (issue 31): `bench rollout --model DIR`
+# Per prompt length: (sequences decoded together, as one batch). Sized so the whole bench of a 135M model runs in a
+# few minutes on 2 cores: the prompt tokens per batch stay ~1-2k, so the prefill does not bury the decode.
+MODEL_SHAPES: dict[int, int] = {256: 4, 1024: 2, 2048: 1}
+MODEL_ENGINES = ("generate", "dense", "snapkv", "vllm")
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Dense KV-cache bytes of one token: keys and values of every layer and KV head."""
+    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * num_kv * head_dim * dtype_bytes
+
+
+def largest_batch(budget_bytes: int, bytes_per_sequence: float) -> int:
+    """The most sequences whose KV caches fit `budget_bytes` together (0 when not even one fits)."""
+    return int(budget_bytes // bytes_per_sequence) if bytes_per_sequence > 0 else 0
+
+
+def _random_prompts(T: int, n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator(device="cpu").manual_seed(T)
+    return [torch.randint(4, vocab, (T,), generator=g, device="cpu").tolist() for _ in range(n)]
+
+
+class _ModelEngines:
+    """The engines of `bench_rollout_model` over one policy directory: each `run(engine, prompts, new_tokens)`
+    generates exactly `new_tokens` per prompt (sampling at temperature 1, EOS ignored) and returns
+    (tokens made, KV-cache bytes the batch held)."""
+
+    def __init__(self, model_dir: Path, model, keep_ratio: float, vllm_engine=None):
+        self.model_dir, self.model, self.vllm = model_dir, model, vllm_engine
+        self.keep_ratio = keep_ratio
+        self.per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+
+    def run(self, engine: str, prompts: list[list[int]], new_tokens: int) -> tuple[int, int]:
+        if engine == "generate":
+            made = hf_generate(self.model, prompts, new_tokens, len(prompts))
+            return made, self.per_token * sum(len(p) + new_tokens for p in prompts)
+        if engine == "vllm":
+            from stages.common.vllm_sampler import kv_cache_bytes
+
+            out = self.vllm.generate(prompts, new_tokens, None, 1.0, list(range(len(prompts))))
+            cfg = json.loads((self.model_dir / "config.json").read_text())
+            kv = kv_cache_bytes(cfg, next(self.model.parameters()).element_size(),
+                                max(map(len, prompts)) + new_tokens, len(prompts))
+            return sum(len(r.response_ids) for r in out), kv
+        ev = EvictionParams(policy=engine, keep_ratio=self.keep_ratio)
+        made, kv, _ = smd_generate(self.model, prompts, ev, new_tokens, len(prompts))
+        return made, kv
+
+
+def _measure(engines: _ModelEngines, names: list[str], prompts_of: dict[str, list[list[int]]], new_tokens: int,
+             repeats: int) -> dict[str, dict[str, float]]:
+    """Per engine: the fastest of `repeats` interleaved runs of `new_tokens` tokens, and once a run of one token
+    (the prefill and the first token): tok/s, decode tok/s (the other tokens over the time beyond that run),
+    prefill seconds, peak working memory (peak RSS during the run minus RSS before it) and KV-cache bytes."""
+    best: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {e: {} for e in names}
+    for _ in range(repeats):
+        for e in names:
+            prompts = prompts_of[e]
+            _reset_peak(torch.device("cpu"))
+            before = _rss_mib()
+            t0 = time.perf_counter()
+            made, kv = engines.run(e, prompts, new_tokens)
+            dt = time.perf_counter() - t0
+            work = _peak_mib(torch.device("cpu")) - before
+            if dt < best.get(e, float("inf")):
+                best[e] = dt
+                out[e].update(made=made, seconds=dt, kv_bytes=kv)
+            out[e]["work_mib"] = max(out[e].get("work_mib", 0.0), work)
+    for e in names:
+        t0 = time.perf_counter()
+        engines.run(e, prompts_of[e], 1)
+        prefill = time.perf_counter() - t0
+        r = out[e]
+        B = len(prompts_of[e])
+        r.update(sequences=B, tokens_per_s=r["made"] / r["seconds"], prefill_s=prefill,
+                 decode_tokens_per_s=B * (new_tokens - 1) / max(r["seconds"] - prefill, 1e-9))
+    return out
+
+
+def bench_rollout_model(model_dir: str | Path, lengths: list[int] | None = None, keep_ratio: float = 0.5,
+                        new_tokens: int = 32, repeats: int = 2, engines: list[str] | None = None,
+                        budget_length: int = 1024, budget_sequences: int = 4, print_fn=print) -> list[dict]:
+    """`smdctl bench rollout --model DIR` on the CPU: transformers `generate`, smd dense, smd SnapKV at
+    `keep_ratio` and vLLM's CPU build (dense, when installed) on random prompts of each length in `lengths`
+    (batch per length: `MODEL_SHAPES`), `new_tokens` each; then a fixed KV-cache budget (the dense cache of
+    `budget_sequences` sequences of `budget_length` prompt tokens plus `new_tokens`): per engine the largest
+    batch whose cache fits it, and tokens/s at that batch. Prints both tables; returns their rows."""
+    from stages.common import vllm_sampler
+    from stages.common.model import load_policy
+
+    model_dir = Path(model_dir)
+    lengths = lengths or list(MODEL_SHAPES)
+    names = list(engines or MODEL_ENGINES)
+    for e in names:
+        if e not in ("generate", "vllm", *POLICIES):
+            raise SmdInputError(f"--engines: {e!r}; choose from generate, vllm, {', '.join(POLICIES)}")
+    if "vllm" in names and not vllm_sampler.available():
+        print_fn(f"vLLM is not installed: its column is left out ({vllm_sampler.INSTALL_HINT})")
+        names.remove("vllm")
+    model = load_policy(model_dir)
+    vocab = model.config.vocab_size
+    batches = {T: MODEL_SHAPES.get(T, 1) for T in lengths}
+    budget_batch: dict[str, int] = {}
+    per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    budget = budget_sequences * (budget_length + new_tokens) * per_token
+    vllm = None
+    if "vllm" in names:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        vllm_seq = vllm_sampler.kv_cache_bytes(cfg, 4, budget_length + new_tokens, 1)
+        budget_batch["vllm"] = largest_batch(budget, vllm_seq)
+        max_seqs = max([*batches.values(), budget_batch["vllm"]])
+        vllm = vllm_sampler.VllmEngine(model_dir, "float32", max(max(lengths), budget_length) + new_tokens + 1,
+                                       max_seqs)
+    rows: list[dict] = []
+    try:
+        runner = _ModelEngines(model_dir, model, keep_ratio, vllm)
+        print_fn(f"{model_dir}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+                 f"{model.config.num_hidden_layers} layers, float32 on the CPU, {torch.get_num_threads()} torch "
+                 f"threads; random prompts, {new_tokens} new tokens each (temperature 1, EOS ignored); fastest of "
+                 f"{repeats} interleaved rounds; SnapKV keep {keep_ratio}")
+        print_fn(f"{'prompt':>6} {'batch':>5} {'engine':>9} {'tok/s':>7} {'decode tok/s':>12} {'prefill s':>9} "
+                 f"{'x vllm':>7} {'x generate':>10} {'KV MiB':>7} {'work MiB':>8}")
+        for T, B in batches.items():
+            prompts = _random_prompts(T, B, vocab)
+            res = _measure(runner, names, {e: prompts for e in names}, new_tokens, repeats)
+            for e in names:
+                r = res[e]
+                row = {"table": "length", "prompt_tokens": T, "engine": e, **r,
+                       "vs_vllm": r["tokens_per_s"] / res["vllm"]["tokens_per_s"] if "vllm" in res else float("nan"),
+                       "vs_generate": (r["tokens_per_s"] / res["generate"]["tokens_per_s"] if "generate" in res
+                                       else float("nan"))}
+                rows.append(row)
+                print_fn(f"{T:>6} {B:>5} {e:>9} {r['tokens_per_s']:>7.1f} {r['decode_tokens_per_s']:>12.1f} "
+                         f"{r['prefill_s']:>9.2f} {row['vs_vllm']:>7.2f} {row['vs_generate']:>10.2f} "
+                         f"{r['kv_bytes'] / 2**20:>7.1f} {r['work_mib']:>8.0f}")
+            if T == budget_length and "snapkv" in res:
+                snap_seq = res["snapkv"]["kv_bytes"] / B
+                budget_batch.setdefault("snapkv", largest_batch(budget, snap_seq))
+        dense_seq = (budget_length + new_tokens) * per_token
+        for e in names:
+            if e not in budget_batch:
+                if e in ("generate", "dense"):
+                    budget_batch[e] = largest_batch(budget, dense_seq)
+                else:  # an evicting policy: its cache bytes per sequence at the budget shape, measured on one
+                    ev = EvictionParams(policy=e, keep_ratio=keep_ratio)
+                    _, kv, _ = smd_generate(model, _random_prompts(budget_length, 1, vocab), ev, new_tokens, 1)
+                    budget_batch[e] = largest_batch(budget, kv)
+        print_fn(f"KV-cache budget {budget / 2**20:.1f} MiB (the dense cache of {budget_sequences} x "
+                 f"({budget_length} + {new_tokens}) tokens): the largest batch per engine and its tokens/s")
+        print_fn(f"{'engine':>9} {'batch':>5} {'tok/s':>7} {'decode tok/s':>12} {'prefill s':>9} {'x vllm':>7} "
+                 f"{'KV MiB':>7} {'work MiB':>8}")
+        fits = [e for e in names if budget_batch[e] > 0]
+        prompts_of = {e: _random_prompts(budget_length, budget_batch[e], vocab) for e in fits}
+        res = _measure(runner, fits, prompts_of, new_tokens, repeats)
+        for e in fits:
+            r = res[e]
+            row = {"table": "budget", "prompt_tokens": budget_length, "engine": e, "budget_bytes": budget, **r,
+                   "vs_vllm": r["tokens_per_s"] / res["vllm"]["tokens_per_s"] if "vllm" in res else float("nan")}
+            rows.append(row)
+            print_fn(f"{e:>9} {r['sequences']:>5} {r['tokens_per_s']:>7.1f} {r['decode_tokens_per_s']:>12.1f} "
+                     f"{r['prefill_s']:>9.2f} {row['vs_vllm']:>7.2f} {r['kv_bytes'] / 2**20:>7.1f} "
+                     f"{r['work_mib']:>8.0f}")
+    finally:
+        if vllm is not None:
+            vllm.close()
     return rows

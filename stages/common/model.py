@@ -148,6 +148,21 @@ DEFAULT_INIT_DIR = Path(ModelParams.model_fields["init_path"].default)
 EXTERNAL_RECORD = "source.json"
 EXTERNAL_KIND = "external_model"
 EXTERNAL_SCHEMA_VERSION = 1
+# `smdctl convert-model`'s record in the model directory it writes (stages/common/convert.py).
+PROVENANCE_FILE = "provenance.json"
+PROVENANCE_KIND = "converted_model"
+
+
+def is_converted_model(path: str | Path) -> bool:
+    """True when `path` is a model directory `smdctl convert-model` wrote (its provenance record says so): smd
+    created it, but it is the user's model, which init-model uses as it is and never rebuilds."""
+    path = Path(path)
+    if not (path / PROVENANCE_FILE).is_file() or not (path / "config.json").is_file():
+        return False
+    try:
+        return json.loads((path / PROVENANCE_FILE).read_text()).get("kind") == PROVENANCE_KIND
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def init_model(model: ModelParams, seed: int = 0, out: str | Path | None = None) -> dict[str, Path]:
@@ -157,7 +172,10 @@ def init_model(model: ModelParams, seed: int = 0, out: str | Path | None = None)
     -S model.init_path=DIR` runs the whole pipeline from DIR). Never replaces a directory smd did not create:
     an explicit `out`, or a model.init_path that is not a model directory, is refused with one line."""
     target = Path(out if out is not None else model.init_path)
-    if out is None and is_foreign_dir(target):
+    if out is not None and is_converted_model(target):
+        raise SmdInputError(f"--out {target}: a model directory `smdctl convert-model` wrote; refusing to replace "
+                            "it with the tiny model. Choose another output path")
+    if out is None and (is_foreign_dir(target) or is_converted_model(target)):
         if not (target / "config.json").is_file():
             raise SmdInputError(
                 f"model.init_path {target}: an existing directory smd did not create and not a Hugging Face "
@@ -165,11 +183,12 @@ def init_model(model: ModelParams, seed: int = 0, out: str | Path | None = None)
             )
         if target.resolve() == DEFAULT_INIT_DIR.resolve():
             raise SmdInputError(
-                f"model.init_path {target}: a model directory smd did not create sits at init-model's own output "
-                "path; refusing to replace it. Move it elsewhere and set model.init_path to it"
+                f"model.init_path {target}: your model directory (not smd's tiny model) sits at init-model's own "
+                "output path; refusing to replace it. Move it elsewhere and set model.init_path to it"
             )
-        print(f"model.init_path {target}: a model directory smd did not create; using it as is (nothing built, "
-              "nothing written there)")
+        what = "converted by `smdctl convert-model`" if is_converted_model(target) else "smd did not create"
+        print(f"model.init_path {target}: a model directory {what}; using it as is (nothing built, nothing "
+              "written there)")
         return {"record": record_external_model(target, DEFAULT_INIT_DIR)}
     return {"model": init_tiny_model(model.tiny, target, seed=seed)}
 
