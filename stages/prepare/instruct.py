@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from schemas.params.prepare import PrepareParams
-from stages.prepare.synthetic import count_tokens
+from stages.prepare.synthetic import count_tokens, interleave
 
 ANIMALS = (
     "cat dog bird fish lion bear wolf fox owl frog goat horse mouse duck swan deer crow bee ant seal".split()
@@ -60,17 +60,9 @@ def fact_recall(rng: random.Random, p: PrepareParams, context_tokens: int) -> tu
     facts = [f"The {k} has number {v}." for k, v in zip(keys, values, strict=True)]
     asked = rng.sample(range(p.num_pairs), p.num_queries)
     tail = question([keys[i] for i in asked])
-    used = count_tokens(INSTRUCTION) + count_tokens(tail) + sum(count_tokens(f) for f in facts)
-    filler: list[str] = []
-    while used < context_tokens:
-        sentence = filler_sentence(rng)
-        filler.append(sentence)
-        used += count_tokens(sentence)
-    # Every interleaving of facts and filler equally likely (facts in their drawn order), as synthetic.spread.
-    slots = [True] * len(facts) + [False] * len(filler)
-    rng.shuffle(slots)
-    fact_iter, filler_iter = iter(facts), iter(filler)
-    notes = " ".join(next(fact_iter) if is_fact else next(filler_iter) for is_fact in slots)
+    # Every interleaving of facts and filler equally likely, facts in their drawn order (synthetic.interleave).
+    notes = " ".join(interleave(rng, facts, count_tokens(INSTRUCTION) + count_tokens(tail), context_tokens,
+                                filler_sentence))
     return f"{INSTRUCTION}\n\n{notes}\n\n{tail}", ", ".join(str(values[i]) for i in asked)
 
 

@@ -73,20 +73,25 @@ def filler_sentence(rng: random.Random) -> str:
     return f"it was {rng.choice(ADJECTIVES)} and {rng.choice(ADJECTIVES)} at the {rng.choice(FILLER_PLACES)} ."
 
 
+def interleave(rng: random.Random, facts: list[str], used: int, context_tokens: int,
+               filler: Callable[[random.Random], str] = filler_sentence) -> list[str]:
+    """`facts` (order kept) merged with `filler` sentences drawn until `used` + their tokens reach ~context_tokens;
+    every interleaving equally likely."""
+    used += sum(count_tokens(f) for f in facts)
+    sentences: list[str] = []
+    while used < context_tokens:
+        sentence = filler(rng)
+        sentences.append(sentence)
+        used += count_tokens(sentence)
+    slots = [True] * len(facts) + [False] * len(sentences)
+    rng.shuffle(slots)
+    fi, gi = iter(facts), iter(sentences)
+    return [next(fi) if is_fact else next(gi) for is_fact in slots]
+
+
 def spread(rng: random.Random, head: str, facts: list[str], tail: str, context_tokens: int) -> str:
     """Interleave `facts` (order kept) with filler sentences until the prompt reaches ~context_tokens."""
-    used = count_tokens(head) + count_tokens(tail) + sum(count_tokens(f) for f in facts)
-    filler: list[str] = []
-    while used < context_tokens:
-        sentence = filler_sentence(rng)
-        filler.append(sentence)
-        used += count_tokens(sentence)
-    # Random merge of the two sequences: every interleaving equally likely, facts keep their order.
-    slots = [True] * len(facts) + [False] * len(filler)
-    rng.shuffle(slots)
-    fi, gi, body = iter(facts), iter(filler), []
-    for is_fact in slots:
-        body.append(next(fi) if is_fact else next(gi))
+    body = interleave(rng, facts, count_tokens(head) + count_tokens(tail), context_tokens)
     return " ".join([head, *body, tail])
 
 
