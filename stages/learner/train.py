@@ -74,6 +74,7 @@ from stages.learner.deepspeed_runtime import (
     init_distributed,
     load_trainer_state,
     make_engine,
+    release_engine,
     save_trainer_state,
 )
 from stages.learner.ema import ema_path, ema_teacher, ema_update_, save_ema
@@ -725,16 +726,20 @@ def run_learner(
     out_dir = Path(out_dir)
     metrics_dir = Path(metrics_dir) if metrics_dir is not None else out_dir.parent / "learn"
     run = setup(params, iteration, Path(policy_path), trajectories_path, masks_path, log)
-    fused = fused_parity(run)
-    old, ref, parity = ({}, None, {}) if fused else parity_pass(run)
-    weights = row_weights(run.data, run.cfg, old)
-    series = [r for r in (train_step(run, step, weights, old, ref, parity if fused else None)
-                          for step in run.steps) if r is not None]
-    if fused and not parity:  # the one step was skipped (no valid token): nothing trained, the pass scores
-        parity = parity_pass(run)[2]
-    parity["learner/parity_fused"] = float(fused)
-    metrics = _summary(run, parity, series, weights, time.perf_counter() - t_start)
-    write_outputs(run, out_dir, metrics_dir, metrics, series)
+    try:
+        fused = fused_parity(run)
+        old, ref, parity = ({}, None, {}) if fused else parity_pass(run)
+        weights = row_weights(run.data, run.cfg, old)
+        series = [r for r in (train_step(run, step, weights, old, ref, parity if fused else None)
+                              for step in run.steps) if r is not None]
+        if fused and not parity:  # the one step was skipped (no valid token): nothing trained, the pass scores
+            parity = parity_pass(run)[2]
+        parity["learner/parity_fused"] = float(fused)
+        metrics = _summary(run, parity, series, weights, time.perf_counter() - t_start)
+        write_outputs(run, out_dir, metrics_dir, metrics, series)
+    finally:  # a process that learns again (`smdctl chain`) must not keep this engine, finished or failed
+        release_engine(run.engine)
+        del run
     return {
         "policy": out_dir,
         "trainer_state": out_dir / TRAINER_STATE,
