@@ -32,6 +32,8 @@ MASKS = "masks.zarr"
 PREDICTIONS = "predictions.arrow"
 METRICS = "metrics.json"
 DETAILS = "details.json"
+# `smdctl convert-model`'s record in the model directory it writes (stages/common/convert.py).
+PROVENANCE = "provenance.json"
 STEPS = "steps.json"
 PROGRESS = "progress.json"
 # The per-iteration stage directories that hold a metrics.json (report and progress read these).

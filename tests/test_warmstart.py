@@ -14,10 +14,10 @@ from cli.main import app
 from schemas.errors import SmdInputError
 from schemas.params import load_params
 from schemas.tables import read_table
-from stages.common.model import load_policy, load_tokenizer
+from stages.common.model import load_policy, load_tokenizer, response_ids
 from stages.prepare import run_prepare
 from stages.warmstart import run_warmstart
-from stages.warmstart.train import CurriculumSampler, _batch, response_ids
+from stages.warmstart.train import CurriculumSampler, _batch
 from tests.helpers import make_model_dir
 
 

@@ -29,6 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from schemas.atomic import atomic_path, is_foreign_dir
 from schemas.errors import SmdInputError
+from schemas.layout import PROVENANCE
 from schemas.params.model import DEVICE_CHOICES, DEVICE_PATTERN, ModelParams, TinyModelParams
 from schemas.weights import verify_weights_digest, write_weights_digest
 from stages.common.vocab import bpe_training_corpus, tiny_vocabulary
@@ -148,8 +149,7 @@ DEFAULT_INIT_DIR = Path(ModelParams.model_fields["init_path"].default)
 EXTERNAL_RECORD = "source.json"
 EXTERNAL_KIND = "external_model"
 EXTERNAL_SCHEMA_VERSION = 1
-# `smdctl convert-model`'s record in the model directory it writes (stages/common/convert.py).
-PROVENANCE_FILE = "provenance.json"
+PROVENANCE_FILE = PROVENANCE  # schemas.layout's name of convert-model's record
 PROVENANCE_KIND = "converted_model"
 
 
@@ -396,6 +396,12 @@ def response_ids(tokenizer, reference: str, chat: bool = False) -> list[int]:
     return turn[: turn.index(eos) + 1]
 
 
+def response_ids_after(tokenizer, prompt_ids: list[int], reference: str) -> list[int]:
+    """`response_ids` of `reference` in the form that follows `prompt_ids`: the template's assistant turn after a
+    prompt rendered as chat (`rendered_as_chat`), else the reference after a space."""
+    return response_ids(tokenizer, reference, rendered_as_chat(tokenizer, prompt_ids))
+
+
 @torch.no_grad()
 def reference_nll(model, tokenizer, prompts: list[list[int]], references: list[str], batch_size: int = 16) -> float:
     """Mean over prompts of the reference response's negative log-likelihood (nats, summed over its tokens and
@@ -414,8 +420,7 @@ def reference_nll_batch(model, tokenizer, prompts: list[list[int]], references: 
     data-parallel evaluate sums these in batch order, so its mean equals the one-process figure exactly)."""
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seqs = [(list(p), response_ids(tokenizer, r, rendered_as_chat(tokenizer, p)))
-            for p, r in zip(prompts, references, strict=True)]
+    seqs = [(list(p), response_ids_after(tokenizer, p, r)) for p, r in zip(prompts, references, strict=True)]
     T = max(len(p) + len(r) for p, r in seqs)
     # Built on the host, copied to the model's device once per batch.
     ids = torch.full((len(seqs), T), pad, dtype=torch.long, device="cpu")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.feather as feather
+
 from schemas.atomic import atomic_path
-from schemas.layout import DETAILS, METRICS, RunLayout
+from schemas.layout import DETAILS, METRICS, PROVENANCE, RunLayout
 from schemas.metrics import read_json_object
 from stages.progress.tensorboard import write_tensorboard
 
@@ -98,7 +100,7 @@ def model_label(path: str | Path) -> str:
     """A model directory as a person names it: the source file's name of a converted model (`provenance.json`
     of `smdctl convert-model`), else the directory's name, with its architecture and size from config.json."""
     path = Path(path)
-    provenance = _read(path / "provenance.json") if (path / "provenance.json").is_file() else {}
+    provenance = _read(path / PROVENANCE) if (path / PROVENANCE).is_file() else {}
     source = provenance.get("source")
     name = Path(source["path"]).stem if isinstance(source, dict) and isinstance(source.get("path"), str) else None
     config = _read(path / "config.json") if (path / "config.json").is_file() else {}
@@ -120,8 +122,6 @@ def run_title(artifacts: str | Path = "artifacts") -> str:
     for n in [0, *layout.iterations()]:
         for table in (layout.iteration(n).predictions, layout.iteration(n).trajectories):
             if table.is_file():
-                import pyarrow.feather as feather
-
                 column = feather.read_table(table, columns=["task"]).column("task")
                 task = column[0].as_py() if len(column) else None
                 break

@@ -60,7 +60,7 @@ from schemas.errors import SmdInputError
 from schemas.layout import RunLayout
 from schemas.params.learner import LearnerParams
 from schemas.tables import read_table
-from stages.common.model import load_policy, load_tokenizer, rendered_as_chat, resolve_device, response_ids
+from stages.common.model import load_policy, load_tokenizer, resolve_device, response_ids_after
 from stages.learner.data import LearnerData, MicroBatch, build_micro_batch, load_learner_data
 from stages.learner.kl_tokens import induction_keys
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
@@ -183,8 +183,7 @@ def reference_nll_sum(model, tokenizer, prompts: list[list[int]], references: li
     """The summed reference NLL of one batch, with gradient: `stages.common.model.reference_nll_batch` (dense,
     full context, temperature 1, the reference and EOS) without its no_grad."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    seqs = [(list(p), response_ids(tokenizer, r, rendered_as_chat(tokenizer, p)))
-            for p, r in zip(prompts, references, strict=True)]
+    seqs = [(list(p), response_ids_after(tokenizer, p, r)) for p, r in zip(prompts, references, strict=True)]
     T = max(len(p) + len(r) for p, r in seqs)
     ids = torch.full((len(seqs), T), pad, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.long)

@@ -31,9 +31,8 @@ from stages.common.model import (
     load_tokenizer,
     model_device,
     reference_nll,
-    rendered_as_chat,
     resolve_device,
-    response_ids,
+    response_ids_after,
 )
 
 HEADLINE = ("exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes")
@@ -178,8 +177,7 @@ def run_warmstart(
     started = time.monotonic()
     log = train_loop(model, tokenizer, examples, cfg, seed)
     eval_started = time.monotonic()
-    ref_tokens = max(len(response_ids(tokenizer, r["reference"], rendered_as_chat(tokenizer, r["prompt_token_ids"])))
-                     for r in evaluation)
+    ref_tokens = max(len(response_ids_after(tokenizer, r["prompt_token_ids"], r["reference"])) for r in evaluation)
     result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, cfg.eval_max_new_tokens or ref_tokens + 4)
     result["reference_nll"] = reference_nll(model, tokenizer, [r["prompt_token_ids"] for r in evaluation],
                                             [r["reference"] for r in evaluation], cfg.eval_batch_size)
@@ -204,8 +202,7 @@ class Examples:
     @classmethod
     def build(cls, train: list[dict[str, Any]], tokenizer, cfg: WarmstartParams, model, source: Path) -> Examples:
         prompts = [r["prompt_token_ids"] for r in train]
-        responses = [response_ids(tokenizer, r["reference"], rendered_as_chat(tokenizer, p))
-                     for r, p in zip(train, prompts, strict=True)]
+        responses = [response_ids_after(tokenizer, p, r["reference"]) for r, p in zip(train, prompts, strict=True)]
         longest = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         check_positions(model.config, longest, f"{source}: prompt_token_ids: a sequence of {longest} tokens")
         n_check = min(cfg.check_rows, len(train) // 4) if cfg.target_exact_match > 0 else 0
