@@ -49,6 +49,7 @@ COMMAND_MODULES = [
     "cli.compare",
     "cli.probe_kl",
     "cli.seed_stats",
+    "cli.reward_files",
 ]
 
 for _name in COMMAND_MODULES:

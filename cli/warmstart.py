@@ -26,4 +26,5 @@ def register(app: typer.Typer) -> None:
         from stages.warmstart import run_warmstart
 
         p = load(params, overrides)
-        echo_written(guarded(lambda: run_warmstart(p.warmstart, p.model, data, out, seed=p.seed)))
+        echo_written(guarded(lambda: run_warmstart(p.warmstart, p.model, data, out, seed=p.seed,
+                                                         reward=p.reward, prompt_key=p.prepare.prompt_key)))

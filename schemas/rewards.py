@@ -15,6 +15,7 @@
   exact match = normalized strings equal.
 - `tldr`, `govreport`: ROUGE-L F-measure (rouge-score, Porter stemmer); exact match = normalized
   strings equal.
+- `dataset`: no built-in scorer; `reward.function` scores it (stages.common.scoring).
 
 Texts decoded by word-level tokenizers come back with every token separated by a space (the tiny
 default tokenizer writes "37" as "3 7" and "####" as "# # # #"), so numbers are read after
@@ -43,6 +44,8 @@ METRICS = {
     "hotpotqa": "token_f1",
     "tldr": "rougeL_f",
     "govreport": "rougeL_f",
+    # a user's data set: scored only by reward.function (stages.common.reward_functions)
+    "dataset": "reward_function",
 }
 assert set(METRICS) == set(TASKS)
 
@@ -58,6 +61,13 @@ def _check_task(task: str) -> str:
     if task not in METRICS:
         raise SmdInputError(f"task: unknown task {task!r}; choose one of {', '.join(METRICS)}")
     return METRICS[task]
+
+
+def _builtin(task: str) -> str:
+    metric = _check_task(task)
+    if metric == "reward_function":
+        raise SmdInputError(f"reward.function: task {task!r} has no built-in scorer; set reward.function")
+    return metric
 
 
 def metric_name(task: str) -> str:
@@ -169,7 +179,7 @@ def unit_fraction(prediction: str, reference: str) -> float:
 
 def score(task: str, response_text: str, reference: str) -> float:
     """Reward in [0, 1] of `response_text` against `reference` for `task`."""
-    metric = _check_task(task)
+    metric = _builtin(task)
     if metric == "numeric_exact_match":
         return float(exact_match(task, response_text, reference))
     if metric == "kv_fraction":
@@ -183,7 +193,7 @@ def score(task: str, response_text: str, reference: str) -> float:
 
 def exact_match(task: str, response_text: str, reference: str) -> bool:
     """Whether the response is fully right (the accuracy reported by warmstart and evaluate)."""
-    metric = _check_task(task)
+    metric = _builtin(task)
     if metric == "numeric_exact_match":
         want = extract_final_number(reference)
         return want is not None and extract_final_number(response_text) == want

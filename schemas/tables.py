@@ -80,6 +80,22 @@ EVAL_PREDICTIONS_SCHEMA = pa.schema(
 )
 
 KINDS = {"prompts": PROMPTS_SCHEMA, "trajectories": TRAJECTORIES_SCHEMA, "eval_predictions": EVAL_PREDICTIONS_SCHEMA}
+# Optional columns, written only when a table has them (issue 33), so every existing table stays valid:
+# - row_json: the data set row a prompt came from (task `dataset`), as JSON text: the prompt as given (a string or
+#   chat messages) and every other column, which the reward function receives; carried into the trajectories;
+# - reward_terms: with reward functions, each function's value for the row as JSON text {name: value or null}.
+ROW_JSON = pa.field("row_json", pa.string(), nullable=True)
+REWARD_TERMS = pa.field("reward_terms", pa.string(), nullable=True)
+OPTIONAL_FIELDS = {"prompts": (ROW_JSON,), "trajectories": (ROW_JSON, REWARD_TERMS), "eval_predictions": (REWARD_TERMS,)}
+
+
+def schema_for(kind: str, columns: set[str] | list[str]) -> pa.Schema:
+    """The kind's schema with the optional columns among `columns` appended."""
+    schema = KINDS[kind]
+    for field in OPTIONAL_FIELDS[kind]:
+        if field.name in columns:
+            schema = schema.append(field)
+    return schema
 DIGEST_KEY = b"data_digest"
 # What a shadow mask describes: the sampled tokens, their log-probs and the mask row of each trajectory. The
 # reward is left out on purpose: rescoring a rollout (another reward function, a test's toy reward) does not
@@ -133,8 +149,10 @@ def check_binding(recorded: Any, table: pa.Table, masks_path: str | Path, table_
 
 
 def write_table(rows: list[dict[str, Any]] | pa.Table, path: str | Path, kind: str, config: dict | None = None) -> Path:
-    """Validate and write a table atomically as Arrow IPC (Feather v2, uncompressed for pandas/mmap)."""
-    schema = KINDS[kind]
+    """Validate and write a table atomically as Arrow IPC (Feather v2, uncompressed for pandas/mmap); the kind's
+    optional columns are kept when the rows have them."""
+    columns = rows.column_names if isinstance(rows, pa.Table) else (rows[0].keys() if rows else ())
+    schema = schema_for(kind, set(columns))
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
     table = table.cast(schema)
     meta = {
@@ -198,6 +216,10 @@ def validate_table(table: pa.Table, source: str, kind: str, verify_digest: bool 
             raise SmdInputError(f"{source}: {field.name}: type {actual}, expected {field.type}")
         if not field.nullable and table.column(field.name).null_count:
             raise SmdInputError(f"{source}: {field.name}: has null values")
+    for field in OPTIONAL_FIELDS[kind]:
+        if field.name in table.column_names and table.schema.field(field.name).type != field.type:
+            raise SmdInputError(f"{source}: {field.name}: type {table.schema.field(field.name).type}, "
+                                f"expected {field.type}")
     if table.num_rows == 0:
         raise SmdInputError(f"{source}: empty {kind} table")
     if kind == "trajectories":

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.errors import SmdInputError
 from schemas.params.compaction import CompactionParams
@@ -18,6 +18,7 @@ from schemas.params.evaluate import EvaluateParams
 from schemas.params.learner import LearnerParams
 from schemas.params.model import ModelParams
 from schemas.params.prepare import PrepareParams
+from schemas.params.reward import RewardParams
 from schemas.params.rollout import EvictionParams, RolloutParams
 from schemas.params.warmstart import WarmstartParams
 
@@ -25,6 +26,7 @@ __all__ = [
     "Params",
     "ModelParams",
     "PrepareParams",
+    "RewardParams",
     "WarmstartParams",
     "RolloutParams",
     "EvictionParams",
@@ -135,7 +137,15 @@ class Params(BaseModel):
     compaction: CompactionParams = CompactionParams()
     learner: LearnerParams = LearnerParams()
     evaluate: EvaluateParams = EvaluateParams()
+    reward: RewardParams = RewardParams()
     pipeline: PipelineParams = PipelineParams()
+
+    @model_validator(mode="after")
+    def _dataset_needs_a_reward(self) -> Params:
+        if self.prepare.task == "dataset" and not self.reward.function:
+            raise ValueError("reward.function: task `dataset` has no built-in scorer; set reward.function to "
+                             "path/to/rewards.py:name or math_verify")
+        return self
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -4,7 +4,9 @@ Synthetic tasks (`kv_retrieval`, `var_tracking`, `arithmetic`, `pointer_chasing`
 instruct tasks (`fact_recall`: natural wording and an answer format for a pretrained chat model, e.g.
 SmolLM2-135M-Instruct) are generated from the seed; dataset
 tasks (`gsm8k`, `hotpotqa`, `tldr`, `govreport`) are read from local files in their public formats
-(`train_file`, optional `eval_file`).
+(`train_file`, optional `eval_file`); `dataset` reads a user's data set in TRL's or verl's layout (JSON Lines, JSON,
+Parquet or a `datasets` directory), with `prompt_key` and `reference_key` naming its columns, and is scored by
+`reward.function`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ SyntheticTask = Literal["kv_retrieval", "var_tracking", "arithmetic", "pointer_c
 # Generated like the synthetic tasks, phrased for pretrained instruct models (stages.prepare.instruct).
 InstructTask = Literal["fact_recall"]
 DatasetTask = Literal["gsm8k", "hotpotqa", "tldr", "govreport"]
-TaskName = Literal[SyntheticTask, InstructTask, DatasetTask]
+# A user's data set in TRL's or verl's layout, scored by `reward.function` (stages.prepare.datasets).
+UserDataTask = Literal["dataset"]
+TaskName = Literal[SyntheticTask, InstructTask, DatasetTask, UserDataTask]
 SYNTHETIC_TASKS: tuple[str, ...] = get_args(SyntheticTask)
 INSTRUCT_TASKS: tuple[str, ...] = get_args(InstructTask)
 GENERATED_TASKS: tuple[str, ...] = SYNTHETIC_TASKS + INSTRUCT_TASKS
 DATASET_TASKS: tuple[str, ...] = get_args(DatasetTask)
-TASKS: tuple[str, ...] = GENERATED_TASKS + DATASET_TASKS
+USER_DATA_TASKS: tuple[str, ...] = get_args(UserDataTask)
+TASKS: tuple[str, ...] = GENERATED_TASKS + DATASET_TASKS + USER_DATA_TASKS
 # fact_recall's keys (stages.prepare.instruct.ANIMALS).
 FACT_RECALL_ANIMALS = 20
 # pointer_chasing's node words (stages.prepare.synthetic.POINTER_NODE_WORDS: animals and the places filler never uses).
@@ -34,7 +39,8 @@ class PrepareParams(BaseModel):
     task: TaskName = Field(
         "kv_retrieval",
         description=f"Task name: a synthetic generator for the tiny model {SYNTHETIC_TASKS}, one phrased for "
-        f"pretrained instruct models {INSTRUCT_TASKS}, or a dataset loader {DATASET_TASKS}.",
+        f"pretrained instruct models {INSTRUCT_TASKS}, a public data set format with its built-in scorer "
+        f"{DATASET_TASKS}, or `dataset`: any data set in TRL's or verl's layout, scored by `reward.function`.",
     )
     num_train: int = Field(
         16384,
@@ -109,7 +115,8 @@ class PrepareParams(BaseModel):
     # dataset loaders
     train_file: str | None = Field(
         None,
-        description="Dataset tasks: local train file. gsm8k: jsonl {question, answer with '#### N'}; hotpotqa: "
+        description="Dataset tasks: local train file. dataset: a .jsonl, .json (a list of rows), .parquet file, or "
+        "a directory written by `datasets`' save_to_disk (one split's directory). gsm8k: jsonl {question, answer with '#### N'}; hotpotqa: "
         "json list (or jsonl) of {_id, question, answer, context: [[title, [sentences]], ...]}; tldr: jsonl "
         "{post, summary, optional id, subreddit, title} or CarperAI's {prompt, label}; govreport: jsonl "
         "{optional id, report or document, summary}.",
@@ -130,7 +137,22 @@ class PrepareParams(BaseModel):
         1024,
         ge=16,
         description="Dataset tasks: prompts longer than this (policy tokenizer) have their document/context "
-        "truncated (the question and answer cue are kept).",
+        "truncated (the question and answer cue are kept). dataset: a prompt longer than this (after the chat "
+        "template) is dropped and counted, as verl's `filter_overlong_prompts` does (a generic prompt has no "
+        "document to cut).",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        description="dataset: the column holding the prompt (TRL's `prompt`, also verl's): a string, rendered like the "
+        "other tasks' prompts, or a list of chat messages [{role, content}, ...] rendered with the policy's chat "
+        "template (the tokenizer must have one). Dots reach into nested columns.",
+    )
+    reference_key: str = Field(
+        "reward_model.ground_truth",
+        description="dataset: the column holding the reference the reward function receives as `ground_truth` "
+        "(verl's `reward_model.ground_truth`; dots reach into nested columns). When no row has the default key "
+        "(a TRL data set, whose reward functions read their own columns) the reference is empty; a key set here, "
+        "or the default present in some rows only, is required in every row.",
     )
     max_reference_chars: int = Field(
         0,
@@ -140,7 +162,7 @@ class PrepareParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PrepareParams:
-        if self.task in DATASET_TASKS and not self.train_file:
+        if self.task in DATASET_TASKS + USER_DATA_TASKS and not self.train_file:
             raise ValueError(f"train_file: task {self.task} reads a local file; set prepare.train_file")
         if self.task in ("kv_retrieval", "fact_recall") and self.num_queries > self.num_pairs:
             raise ValueError(f"num_queries: {self.num_queries} is larger than num_pairs={self.num_pairs}")

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from schemas import rewards
+from schemas.errors import SmdInputError
 from schemas.layout import PREDICTIONS
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params
@@ -35,6 +36,7 @@ from schemas.tables import read_table, write_table
 from stages.common.distributed import agree, attempt, my_batches, worker_context, write_collectively
 from stages.common.kvcache.sampler import generate_batch
 from stages.common.model import check_positions, load_policy, load_tokenizer, reference_nll_batch
+from stages.common.scoring import Scoring, term_means
 from stages.common.vllm_sampler import VllmEngine
 
 MODES = ("dense", "compressed")
@@ -62,30 +64,33 @@ def length_batches(prompts: list[dict[str, Any]], batch_size: int) -> list[list[
 
 
 def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: EvictionParams, params: Params,
-                 iteration: int, mode: str, advance, engine: VllmEngine | None = None) -> dict[int, dict[str, Any]]:
+                 iteration: int, mode: str, advance, scoring: Scoring,
+                 engine: VllmEngine | None = None) -> dict[int, dict[str, Any]]:
     """Greedy responses of one mode for the prompts of `batches`: {prompt index: prediction row}; on vLLM
     when `engine` is given (the dense mode with `evaluate.engine: vllm`: every prompt in one call, vLLM keeps
-    `batch_size` decoding and refills the batch as they finish), else on smd's engine batch by batch."""
+    `batch_size` decoding and refills the batch as they finish), else on smd's engine batch by batch. Each
+    batch is submitted to `scoring` once decoded (a reward pool scores it while the next one decodes)."""
     cfg = params.evaluate
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows: dict[int, dict[str, Any]] = {}
+    pending: list[tuple[list[int], Any]] = []
     for batch in (batches if engine is None else [[i for b in batches for i in b]]):
         ids = [list(prompts[i]["prompt_token_ids"]) for i in batch]
         if engine is None:
             results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0)
         else:
             results = engine.generate(ids, cfg.max_new_tokens, eos, temperature=0.0)
+        texts = []
         for i, res in zip(batch, results):
             p = prompts[i]
             text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
+            texts.append(text)
             rows[i] = {
                 "prompt_id": p["prompt_id"],
                 "task": p["task"],
                 "mode": mode,
                 "response_text": text,
-                "score": float(rewards.score(p["task"], text, p["reference"])),
-                "exact_match": bool(rewards.exact_match(p["task"], text, p["reference"])),
                 "kv_peak_tokens": res.kv_peak_tokens,
                 "kv_dense_tokens": res.kv_dense_tokens,
                 "iteration": iteration,
@@ -93,7 +98,16 @@ def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: 
                 "response_token_ids": res.response_ids,
                 "finish_reason": res.finish_reason,
             }
+        pending.append((batch, scoring.submit([prompts[i] for i in batch], texts,
+                                              [res.response_ids for res in results])))
         advance(len(batch))
+    for batch, handle in pending:
+        scored = scoring.result(handle)
+        for k, i in enumerate(batch):
+            rows[i]["score"] = scored.rewards[k]
+            rows[i]["exact_match"] = scored.exact_match[k]
+            if scored.terms is not None:
+                rows[i]["reward_terms"] = scored.terms[k]
     return rows
 
 
@@ -166,7 +180,7 @@ def run_evaluate(params: Params, iteration: int, policy_path: str | Path, eval_p
                 t0 = time.perf_counter()
                 part["rows"][mode] = _decode_mode(model, tokenizer, prompts, [decode_batches[b] for b in mine],
                                                   eviction_for(mode, params), params, iteration, mode,
-                                                  lambda n: progress.update(bar, advance=n),
+                                                  lambda n: progress.update(bar, advance=n), scoring,
                                                   engine if mode == "dense" else None)
                 part["seconds"][mode] = time.perf_counter() - t0
         for b in mine_nll:
@@ -208,7 +222,7 @@ def run_evaluate(params: Params, iteration: int, policy_path: str | Path, eval_p
         metrics.update({
             "iteration": iteration,
             "task": ",".join(tasks),
-            "metric": ",".join(sorted({rewards.metric_name(t) for t in tasks})),
+            "metric": ",".join(sorted({scoring.metric_name(t) for t in tasks})),
             "eval/prompts": len(prompts),
             "eval/processes": ctx.world,
             "eval/agreement": float(np.mean([d["response_token_ids"] == c["response_token_ids"]
@@ -216,10 +230,15 @@ def run_evaluate(params: Params, iteration: int, policy_path: str | Path, eval_p
             "eval/score_gap": metrics["eval/dense/score"] - metrics["eval/compressed/score"],
             "config": config,
         })
+        if scoring.scorer is not None:  # each reward function's mean per mode, as TRL logs `rewards/<name>/mean`
+            for mode, mode_rows in (("dense", dense_rows), ("compressed", comp_rows)):
+                metrics.update({f"eval/{mode}/{k}": v for k, v in term_means([r["reward_terms"] for r in mode_rows]).items()})
         write_table(rows, tmp / PREDICTIONS, "eval_predictions", config)
         write_metrics(tmp / "metrics.json", metrics, HEADLINE)
 
-    write_collectively(out_dir, ctx, my_part, merge)
+    with Scoring(params.reward, params.prepare.prompt_key) as scoring:
+        config.update(scoring.record())
+        write_collectively(out_dir, ctx, my_part, merge)
     if show_progress and ctx.is_main:
         Console(stderr=True).print(summary_table(metrics))
     return {"predictions": out_dir / PREDICTIONS, "metrics": out_dir / "metrics.json",
@@ -240,8 +259,10 @@ def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path, de
     prompts = read_table(eval_prompts_path, "prompts").to_pylist()
     if cfg.num_prompts:
         prompts = prompts[: cfg.num_prompts]
-    for p in prompts:
-        rewards.metric_name(p["task"])  # unknown task -> one line naming it, before any decoding
+    for p in prompts:  # unknown task, or one with no built-in scorer -> one line naming it, before any decoding
+        rewards.metric_name(p["task"])
+        if not params.reward.function and rewards.metric_name(p["task"]) == "reward_function":
+            raise SmdInputError(f"{eval_prompts_path}: task: {p['task']!r} has no built-in scorer; set reward.function")
     model = load_policy(policy_path, params.model.dtype, device=device)
     tokenizer = load_tokenizer(policy_path)
     longest = max(prompts, key=lambda p: len(p["prompt_token_ids"]))

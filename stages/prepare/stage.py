@@ -8,10 +8,10 @@ from typing import Any
 
 from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
-from schemas.params.prepare import GENERATED_TASKS, PrepareParams
+from schemas.params.prepare import GENERATED_TASKS, USER_DATA_TASKS, PrepareParams
 from schemas.tables import write_table
 from stages.common.model import load_tokenizer, prompt_token_ids
-from stages.prepare import instruct, loaders, synthetic
+from stages.prepare import instruct, loaders, synthetic, user_data
 
 GENERATORS = {**synthetic.GENERATORS, **instruct.GENERATORS}
 
@@ -75,6 +75,30 @@ def _dataset_rows(
     return rows, dropped
 
 
+def _user_data_splits(cfg: PrepareParams, tokenizer, seed: int) -> tuple[dict[str, list], dict[str, int]]:
+    """Train and eval rows of a user's data set (stages.prepare.user_data): `eval_file`, else `num_eval` rows split
+    off the train file (the seeded shuffle of the other data set tasks)."""
+    train_path = Path(cfg.train_file)
+    train = user_data.load_rows(train_path, cfg.prompt_key, cfg.reference_key)
+    if cfg.eval_file:
+        eval_path = Path(cfg.eval_file)
+        held = user_data.load_rows(eval_path, cfg.prompt_key, cfg.reference_key)
+    else:
+        eval_path = train_path
+        shuffled = list(train)
+        random.Random(f"smd-prepare-split:{cfg.task}:{seed}").shuffle(shuffled)
+        n_eval = min(cfg.num_eval, len(shuffled) // 2)
+        if n_eval == 0:
+            raise SmdInputError(f"{train_path}: eval split is empty ({len(shuffled)} row; set prepare.eval_file or "
+                                "add rows)")
+        held, train = shuffled[:n_eval], shuffled[n_eval:]
+    splits, dropped = {}, {}
+    splits["train"], dropped["train"] = user_data.table_rows(cfg, tokenizer, train, cfg.num_train, str(train_path),
+                                                             "train")
+    splits["eval"], dropped["eval"] = user_data.table_rows(cfg, tokenizer, held, cfg.num_eval, str(eval_path), "eval")
+    return splits, dropped
+
+
 def _stats(rows: list[dict[str, Any]], tokenizer) -> dict[str, Any]:
     plen = [len(r["prompt_token_ids"]) for r in rows]
     rlen = [len(tokenizer(r["reference"], add_special_tokens=False)["input_ids"]) for r in rows]
@@ -105,6 +129,8 @@ def run_prepare(
             "train": _synthetic_rows(cfg, tokenizer, seed, "train", cfg.num_train),
             "eval": _synthetic_rows(cfg, tokenizer, seed, "eval", cfg.num_eval),
         }
+    elif cfg.task in USER_DATA_TASKS:
+        splits, dropped = _user_data_splits(cfg, tokenizer, seed)
     else:
         train_path = Path(cfg.train_file)
         train_examples = loaders.load_examples(cfg.task, train_path)

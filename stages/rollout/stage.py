@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,12 @@ import pyarrow.feather as feather
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from schemas import rewards
 from schemas.errors import SmdInputError
 from schemas.layout import RAW_MASKS, TRAJECTORIES
 from schemas.metrics import write_metrics
 from schemas.params import EvictionParams, Params, RolloutParams
 from schemas.raw_masks import merge_raw_stores, write_raw_masks
-from schemas.tables import TRAJECTORIES_SCHEMA, read_table, trajectories_binding, write_table
+from schemas.tables import read_table, schema_for, trajectories_binding, write_table
 from stages.common.distributed import (
     agree,
     attempt,
@@ -39,6 +39,7 @@ from stages.common.distributed import (
 )
 from stages.common.kvcache.sampler import SampleResult, generate_batch
 from stages.common.model import check_positions, load_policy, load_policy_config, load_tokenizer
+from stages.common.scoring import Scored, Scoring, concat, term_means
 from stages.common.vllm_sampler import VllmEngine, request_seed
 
 HEADLINE = ("reward/mean", "kv/kept_fraction", "response/length_mean", "rollout/tokens_per_s")
@@ -90,19 +91,27 @@ def run_rollout(params: Params, iteration: int, policy_path: str | Path, prompts
     def my_part(tmp: Path) -> dict[str, Any]:
         """Sample this process's batches; write its trajectory rows and raw-mask shards under tmp/.parts."""
         mine = my_batches(len(batches), ctx)
+        handles: list[Any] = []
+
+        def score_chunk(chunk: list[tuple[int, tuple[int, int], SampleResult, str]]) -> None:
+            handles.append(scoring.submit([prompts[i] for _, (i, _), _, _ in chunk], [text for *_, text in chunk],
+                                          [res.response_ids for _, _, res, _ in chunk]))
+
         with vllm_engine(params, policy_path, prompts, jobs) if cfg.engine == "vllm" else nullcontext() as engine:
             t0, cpu0 = time.perf_counter(), time.process_time()
             samples = generate(model, tokenizer, prompts, batches, mine, cfg, params.seed, iteration,
-                               show_progress and ctx.is_main, engine)
+                               show_progress and ctx.is_main, engine, on_chunk=score_chunk)
+            scored = concat([scoring.result(h) for h in handles])  # waits for a pool still scoring
             seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row)
-                for mask_row, (i, g), res, text in samples]
+        rows = [trajectory_row(prompts[i], g, iteration, res, text, cfg.eviction, mask_row, scored, k)
+                for k, (mask_row, (i, g), res, text) in enumerate(samples)]
         shards = shard_masks([(res.evict_at, res.prompt_len) for _, _, res, _ in samples], cfg.shard_rows,
                              [mask_row for mask_row, _, _, _ in samples])
         parts = tmp / PARTS
         parts.mkdir(exist_ok=True)
         # A part is not a trajectory table (its mask_row are not 0..n-1, it may be empty): plain Arrow IPC.
-        feather.write_feather(pa.Table.from_pylist(rows, schema=TRAJECTORIES_SCHEMA),
+        schema = schema_for("trajectories", set(rows[0]) if rows else set())
+        feather.write_feather(pa.Table.from_pylist(rows, schema=schema),
                               str(parts / f"trajectories-{ctx.rank:05d}.arrow"), compression="uncompressed")
         write_raw_masks(parts / f"masks-{ctx.rank:05d}.raw.zarr", shards, num_layers, num_kv, cfg.eviction.model_dump())
         return {"seconds": seconds, "cpu_seconds": cpu}
@@ -120,12 +129,16 @@ def run_rollout(params: Params, iteration: int, policy_path: str | Path, prompts
         shutil.rmtree(parts)
         # Wall time of the parallel phase: the slowest process's (they start together after `agree`).
         metrics = rollout_metrics(rows, iteration, max(s["seconds"] for s in summaries))
+        if scoring.scorer is not None:  # each reward function's mean, as TRL logs `rewards/<name>/mean`
+            metrics.update(term_means([r.get("reward_terms") for r in rows]))
         metrics["rollout/processes"] = ctx.world
         # CPU time of all processes while sampling: what data parallelism costs besides the cores it needs.
         metrics["rollout/cpu_seconds"] = float(sum(s["cpu_seconds"] for s in summaries))
         write_metrics(tmp / "metrics.json", metrics, HEADLINE, config)
 
-    write_collectively(out_dir, ctx, my_part, merge)
+    with Scoring(params.reward, params.prepare.prompt_key) as scoring:
+        config.update(scoring.record())
+        write_collectively(out_dir, ctx, my_part, merge)
     out_dir = Path(out_dir)
     return {
         "trajectories": out_dir / TRAJECTORIES,
@@ -175,13 +188,15 @@ def group_jobs(prompts: list[dict[str, Any]], picked: list[int], group_size: int
 
 def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list[tuple[int, int]]],
              mine: list[int], cfg: RolloutParams, seed: int, iteration: int,
-             show_progress: bool,
-             engine: VllmEngine | None = None) -> list[tuple[int, tuple[int, int], SampleResult, str]]:
+             show_progress: bool, engine: VllmEngine | None = None,
+             on_chunk: Callable[[list[tuple[int, tuple[int, int], SampleResult, str]]], None] | None = None,
+             ) -> list[tuple[int, tuple[int, int], SampleResult, str]]:
     """Sample the batches `mine` (indices into `batches`) with the evicting cache, each with its own
     generator seeded by `batch_seed(seed, iteration, b)`: (mask_row = job index, job, result, decoded text).
     A vLLM `engine` (dense only) gets every row in one call and keeps `batch_size` of them decoding, refilling
     the batch as rows finish (continuous batching); each row samples with its own seed
-    `request_seed(seed, iteration, row)`."""
+    `request_seed(seed, iteration, row)`. `on_chunk` receives each decoded chunk at once (the stage submits it
+    for scoring, so a reward pool works while the next chunk samples)."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     samples = []
@@ -202,19 +217,24 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
             else:
                 results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,
                                           [request_seed(seed, iteration, row) for row, _ in rows])
+            chunk_samples = []
             for (row, job), res in zip(rows, results, strict=True):
                 text = tokenizer.decode([t for t in res.response_ids if t != eos], skip_special_tokens=True)
-                samples.append((row, job, res, text))
+                chunk_samples.append((row, job, res, text))
                 gen_tokens += len(res.response_ids)
+            samples.extend(chunk_samples)
+            if on_chunk is not None:
+                on_chunk(chunk_samples)
             elapsed = time.perf_counter() - t0
             progress.update(bar, advance=len(rows), rate=f"{gen_tokens / max(elapsed, 1e-9):.0f} tok/s")
     return samples
 
 
 def trajectory_row(prompt: dict[str, Any], group_index: int, iteration: int, res: SampleResult, text: str,
-                   eviction: EvictionParams, mask_row: int) -> dict[str, Any]:
-    """One row of the trajectory table (schemas.tables TRAJECTORIES_SCHEMA), scored with the task's reward."""
-    return {
+                   eviction: EvictionParams, mask_row: int, scored: Scored, k: int) -> dict[str, Any]:
+    """One row of the trajectory table (schemas.tables TRAJECTORIES_SCHEMA) with its reward, `scored`'s k-th; the
+    data set row (`row_json`) and each reward function's value (`reward_terms`) when there are some."""
+    row = {
         "trajectory_id": f"it{iteration:03d}-{prompt['prompt_id']}-g{group_index}",
         "prompt_id": prompt["prompt_id"],
         "group_index": group_index,
@@ -224,7 +244,7 @@ def trajectory_row(prompt: dict[str, Any], group_index: int, iteration: int, res
         "response_token_ids": res.response_ids,
         "response_text": text,
         "rollout_logprobs": res.logprobs,
-        "reward": float(rewards.score(prompt["task"], text, prompt["reference"])),
+        "reward": scored.rewards[k],
         "finish_reason": res.finish_reason,
         "eviction_policy": eviction.policy,
         "keep_ratio": eviction.keep_ratio,
@@ -233,6 +253,11 @@ def trajectory_row(prompt: dict[str, Any], group_index: int, iteration: int, res
         "kv_dense_tokens": res.kv_dense_tokens,
         "mask_row": mask_row,
     }
+    if prompt.get("row_json") is not None:
+        row["row_json"] = prompt["row_json"]
+    if scored.terms is not None:
+        row["reward_terms"] = scored.terms[k]
+    return row
 
 
 def shard_masks(masks: list[tuple[np.ndarray, int]], shard_rows: int,

@@ -26,10 +26,12 @@ from schemas.layout import DETAILS, EVAL_PROMPTS, METRICS, TRAIN_PROMPTS, RunLay
 from schemas.params import Params
 
 T = TypeVar("T")
+REWARD_RECORD = "reward_files.json"  # under the run directory: what the run's scores depend on
 
 
 def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: Path, eval_every: int = 1) -> RunLayout:
     """Run iterations 1..`iterations` under `run_dir` (resuming after the last complete one); return its layout.
+    A resumed run whose reward functions or reward files changed is refused (`run_dir/reward_files.json`).
 
     The warm start's metrics are copied in as iteration 0 of summary and report; `run_dir/params.yaml` holds the
     effective params (what `smdctl report` labels the run by). Evaluation runs every `eval_every` iterations and
@@ -42,6 +44,10 @@ def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: 
         if source.is_file() and not (run.warmstart / name).exists():
             run.warmstart.mkdir(exist_ok=True)
             shutil.copyfile(source, run.warmstart / name)
+    from stages.common.scoring import check_reward_record
+
+    # a resumed run scores as it started: the reward functions and their files' digests (issue 33)
+    check_reward_record(p.reward, run_dir / REWARD_RECORD)
     write_params(run_dir / "params.yaml", p)
     for n in range(1, iterations + 1):
         it = run.iteration(n)

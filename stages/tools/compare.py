@@ -72,9 +72,14 @@ def run_compare(spec_path: Path, out: Path, params_path: Path, overrides: list[s
 
 
 def _eval_key(p: Params) -> str:
-    """What the warm start's evaluation depends on: the evaluation settings and the compression."""
+    """What the warm start's evaluation depends on: the evaluation settings, the compression and the reward
+    (functions and their files' digests)."""
+    from stages.common.scoring import reward_record
+
     tree = {"evaluate": p.evaluate.model_dump(mode="json"), "eviction": p.rollout.eviction.model_dump(mode="json"),
             "model": p.model.model_dump(mode="json")}
+    if p.reward.function:  # (keys of runs without reward functions stay as they were)
+        tree["reward"] = reward_record(p.reward)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from schemas.atomic import atomic_path
+from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
 from schemas.params.model import ModelParams
+from schemas.params.reward import RewardParams
 from schemas.params.warmstart import WarmstartParams
-from schemas.rewards import exact_match, metric_name, score
+from schemas.rewards import metric_name
 from schemas.tables import read_table
 from schemas.weights import write_weights_digest
 from stages.common.model import (
@@ -34,6 +36,7 @@ from stages.common.model import (
     resolve_device,
     response_ids_after,
 )
+from stages.common.scoring import Scoring, concat
 
 HEADLINE = ("exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes")
 
@@ -113,12 +116,15 @@ def _lr_at(step: int, cfg: WarmstartParams) -> float:
 
 @torch.no_grad()
 def greedy_eval(
-    model, tokenizer, rows: list[dict[str, Any]], batch_size: int, max_new_tokens: int
+    model, tokenizer, rows: list[dict[str, Any]], batch_size: int, max_new_tokens: int,
+    scoring: Scoring | None = None,
 ) -> dict[str, Any]:
-    """Greedy decoding (left-padded batches, model.generate) and task scores over `rows`."""
+    """Greedy decoding (left-padded batches, model.generate) and scores over `rows`: the task's built-in scorer,
+    or `scoring`'s reward functions (stages.common.scoring)."""
     model.eval()
     pad_id = tokenizer.pad_token_id
-    hits, rewards, samples = 0, 0.0, []
+    scoring = scoring or Scoring(RewardParams())
+    pending, samples = [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         width = max(len(r["prompt_token_ids"]) for r in chunk)
@@ -137,22 +143,17 @@ def greedy_eval(
             pad_token_id=pad_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        for r, seq in zip(chunk, out[:, width:].tolist(), strict=True):  # one host copy per batch
-            text = tokenizer.decode(seq, skip_special_tokens=True)
-            ok = exact_match(r["task"], text, r["reference"])
-            hits += ok
-            rewards += score(r["task"], text, r["reference"])
-            if len(samples) < 5:
-                samples.append(
-                    {
-                        "prompt_id": r["prompt_id"],
-                        "response": text,
-                        "reference": r["reference"],
-                        "exact_match": ok,
-                    }
-                )
+        seqs = out[:, width:].tolist()  # one host copy per batch
+        texts = [tokenizer.decode(seq, skip_special_tokens=True) for seq in seqs]
+        pending.append(scoring.submit(chunk, texts, seqs))
+        samples.extend({"prompt_id": r["prompt_id"], "response": text, "reference": r["reference"]}
+                       for r, text in zip(chunk, texts, strict=True))
+    scored = concat([scoring.result(h) for h in pending])
+    for sample, ok in zip(samples, scored.exact_match):
+        sample["exact_match"] = ok
     n = len(rows)
-    return {"exact_match": hits / n, "reward": rewards / n, "eval_rows": n, "samples": samples}
+    return {"exact_match": sum(scored.exact_match) / n, "reward": sum(scored.rewards) / n, "eval_rows": n,
+            "samples": samples[:5]}
 
 
 def run_warmstart(
@@ -161,31 +162,46 @@ def run_warmstart(
     data_dir: str | Path,
     out_dir: str | Path,
     seed: int = 0,
+    reward: RewardParams | None = None,
+    prompt_key: str = "prompt",
 ) -> dict[str, Path]:
     """Train the policy at `model_cfg.init_path` on `data_dir/train.arrow`; evaluate on `data_dir/eval.arrow`.
 
     Writes `out_dir/policy` (Hugging Face model + tokenizer), `out_dir/metrics.json` and `out_dir/details.json`.
+    The checks and the evaluation score with the task's built-in scorer, or `reward.function` when set.
     """
-    data_dir = Path(data_dir)
+    reward = reward or RewardParams()
+    with Scoring(reward, prompt_key) as scoring:
+        return _warmstart(cfg, model_cfg, Path(data_dir), out_dir, seed, scoring)
+
+
+def _warmstart(cfg: WarmstartParams, model_cfg: ModelParams, data_dir: Path, out_dir: str | Path, seed: int,
+               scoring: Scoring) -> dict[str, Path]:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     train = read_table(data_dir / "train.arrow", "prompts").to_pylist()
     evaluation = read_table(data_dir / "eval.arrow", "prompts").to_pylist()
+    no_reference = next((r["prompt_id"] for r in train if not r["reference"]), None)
+    if cfg.steps and no_reference is not None:  # a TRL data set: its rewards read their own columns
+        raise SmdInputError(f"{data_dir / 'train.arrow'}: reference: empty for prompt {no_reference}, and the warm "
+                            "start trains on the references; set warmstart.steps=0 (evaluate only) or "
+                            "prepare.reference_key")
     tokenizer = load_tokenizer(model_cfg.init_path)
     model = load_policy(model_cfg.init_path, dtype=model_cfg.dtype, device=resolve_device(model_cfg.device))
     examples = Examples.build(train, tokenizer, cfg, model, data_dir / "train.arrow")
     started = time.monotonic()
-    log = train_loop(model, tokenizer, examples, cfg, seed)
+    log = train_loop(model, tokenizer, examples, cfg, seed, scoring)
     eval_started = time.monotonic()
     ref_tokens = max(len(response_ids_after(tokenizer, r["prompt_token_ids"], r["reference"])) for r in evaluation)
-    result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, cfg.eval_max_new_tokens or ref_tokens + 4)
+    result = greedy_eval(model, tokenizer, evaluation, cfg.eval_batch_size, cfg.eval_max_new_tokens or ref_tokens + 4,
+                         scoring)
     result["reference_nll"] = reference_nll(model, tokenizer, [r["prompt_token_ids"] for r in evaluation],
                                             [r["reference"] for r in evaluation], cfg.eval_batch_size)
     metrics = warmstart_metrics(train[0]["task"], result, log, len(examples.check), cfg.log_every, started,
-                                eval_started)
+                                eval_started, scoring.metric_name(train[0]["task"]))
     config = {"warmstart": cfg.model_dump(), "model": {"init_path": model_cfg.init_path, "dtype": model_cfg.dtype,
                                                         "device": str(model_device(model))},
-              "seed": seed, "data": str(data_dir)}
+              "seed": seed, "data": str(data_dir), **scoring.record()}
     return write_warmstart(Path(out_dir), model, tokenizer, metrics, config)
 
 
@@ -225,7 +241,8 @@ class TrainLog:
     minutes: float = 0.0
 
 
-def train_loop(model, tokenizer, examples: Examples, cfg: WarmstartParams, seed: int) -> TrainLog:
+def train_loop(model, tokenizer, examples: Examples, cfg: WarmstartParams, seed: int,
+               scoring: Scoring | None = None) -> TrainLog:
     """AdamW on the response loss with a length curriculum; stop at `steps`, `max_minutes`, or when the check
     rows reach `target_exact_match` (checked every `check_every` steps)."""
     torch.manual_seed(seed)
@@ -263,9 +280,8 @@ def train_loop(model, tokenizer, examples: Examples, cfg: WarmstartParams, seed:
                 flush=True,
             )
         if examples.check and log.steps % cfg.check_every == 0:
-            em = greedy_eval(model, tokenizer, examples.check, cfg.eval_batch_size, examples.check_new_tokens)[
-                "exact_match"
-            ]
+            em = greedy_eval(model, tokenizer, examples.check, cfg.eval_batch_size, examples.check_new_tokens,
+                             scoring)["exact_match"]
             model.train()
             log.checks.append({"step": log.steps, "exact_match": em})
             print(f"warmstart step {log.steps} check exact_match {em:.3f}", file=sys.stderr, flush=True)
@@ -289,12 +305,12 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], lr: float, max_
 
 
 def warmstart_metrics(task: str, result: dict[str, Any], log: TrainLog, check_rows: int, log_every: int,
-                      started: float, eval_started: float) -> dict[str, Any]:
+                      started: float, eval_started: float, metric: str | None = None) -> dict[str, Any]:
     """Held-out exact match and reward of the trained policy, and how training went."""
     tail = log.losses[-min(len(log.losses), log_every) :]
     return {
         "task": task,
-        "metric": metric_name(task),
+        "metric": metric or metric_name(task),
         "exact_match": result["exact_match"],
         "reward": result["reward"],
         "reference_nll": result["reference_nll"],
