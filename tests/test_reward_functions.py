@@ -388,3 +388,25 @@ def test_math_verify_missing_package_is_one_line(monkeypatch):
     assert str(info.value) == MATH_EXTRA_HINT == (
         "reward.function: math_verify needs the math-verify package: pip install 'smd[math]'"
     )
+
+
+def test_math_verify_verl_reads_answers_without_a_latex_anchor():
+    pytest.importorskip("math_verify")
+    specs = load_reward_functions(["math_verify", "math_verify_verl"])
+    assert [s.name for s in specs] == ["math_verify", "math_verify_verl"]
+    assert specs[1].digest.startswith("builtin:math_verify_verl@")
+    cases = [
+        ("#### 72", "She has 9 boxes.\n#### 72", 0.0, 1.0),  # gsm8k's own form: TRL's rule needs LaTeX
+        ("It costs 1,000 dollars", "#### 1,000", 0.0, 1.0),
+        ("First I got 58, but then 51.", "#### 51", 0.0, 1.0),
+        ("First I got 51, but then 58.", "#### 51", 0.0, 0.0),  # the last number counts
+        (r"\boxed{\frac{63}{2}}", "#### 31.5", 1.0, 1.0),
+        ("I don't know.", "#### 5", 0.0, 0.0),
+        ("5", "no number here", None, 0.0),  # verl: an unparseable gold scores 0 (TRL's rule: None)
+    ]
+    with RewardScorer(specs) as scorer:
+        result = scorer.score(_samples([c for c, *_ in cases], [g for _, g, *_ in cases]))
+    assert result.per_function == {
+        "math_verify": [trl for *_, trl, _ in cases],
+        "math_verify_verl": [verl for *_, verl in cases],
+    }

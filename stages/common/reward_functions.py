@@ -1,4 +1,8 @@
-"""User reward functions from a file, in verl's or TRL's convention, and the built-in `math_verify` (issue 33).
+"""User reward functions from a file, in verl's or TRL's convention, and two built-ins (issue 33).
+
+Built-ins (verl's convention, need `pip install 'smd[math]'`): `math_verify`, HF math-verify exactly as TRL's
+`accuracy_reward`; `math_verify_verl`, math-verify as verl's `reward_score/math_verify.py` (reads answers without a
+LaTeX anchor, such as gsm8k's "#### 72"). scripts/math_verify_disagreements.py compares both with smd's numeric rule.
 
 `reward.function: path/to/rewards.py:name` (several allowed, with weights). `load_reward_functions` resolves and
 checks each one; `RewardScorer` calls them on a batch of `RewardSample`s, in this process or in a process pool.
@@ -52,10 +56,12 @@ import contextlib
 import hashlib
 import importlib.util
 import inspect
+import logging
 import math
 import multiprocessing
 import numbers
 import os
+import re
 import sys
 import threading
 import traceback
@@ -68,6 +74,7 @@ from typing import Any
 from schemas.errors import SmdInputError
 
 BUILTIN_MATH_VERIFY = "math_verify"
+BUILTIN_MATH_VERIFY_VERL = "math_verify_verl"
 VERL_DEFAULT_NAME = "compute_score"  # verl's custom_reward_function.name default
 MATH_EXTRA_HINT = "reward.function: math_verify needs the math-verify package: pip install 'smd[math]'"
 VERL_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None)"
@@ -275,9 +282,9 @@ def load_reward_functions(sources: list[str], base_dir: Path | None = None) -> l
     seen: dict[str, int] = {}
     for source in sources:
         source = str(source).strip()
-        if source == BUILTIN_MATH_VERIFY:
-            path, attr, convention = None, BUILTIN_MATH_VERIFY, "verl"
-            digest = f"builtin:math_verify@{_math_verify_version()}"
+        if source in (BUILTIN_MATH_VERIFY, BUILTIN_MATH_VERIFY_VERL):
+            path, attr, convention = None, source, "verl"
+            digest = f"builtin:{source}@{_math_verify_version()}"
         else:
             path_text, attr = _split_source(source)
             label = source if ":" in source else f"{source}:{attr}"
@@ -295,9 +302,9 @@ def load_reward_functions(sources: list[str], base_dir: Path | None = None) -> l
 
 def _materialize(spec: RewardFunctionSpec) -> Callable:
     if spec.path is None:
-        if spec.attr == BUILTIN_MATH_VERIFY:
+        if spec.attr in (BUILTIN_MATH_VERIFY, BUILTIN_MATH_VERIFY_VERL):
             _math_verify_version()
-            return math_verify_reward
+            return math_verify_reward if spec.attr == BUILTIN_MATH_VERIFY else math_verify_verl_reward
         raise _fail(spec.label, "unknown built-in")
     fn = _load_callable(spec.path, spec.attr, spec.label)
     digest = "sha256:" + hashlib.sha256(spec.path.read_bytes()).hexdigest()
@@ -341,6 +348,40 @@ def math_verify_reward(data_source: str, solution_str: str, ground_truth: str, e
         parsing_timeout=parsing_timeout,
     )
     return float(verify(gold, answer, timeout_seconds=verify_timeout))
+
+
+_GSM8K_FINAL = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def math_verify_verl_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+    """Built-in `math_verify_verl`: verl's math-verify rule (verl/utils/reward_score/math_verify.py `compute_score`).
+
+    `math_metric(gold_extraction_target=(LatexExtractionConfig(),), pred_extraction_target=(ExprExtractionConfig(),
+    LatexExtractionConfig()))` on `"\\boxed{" + gold + "}"` and the completion; any exception scores 0 (verl's
+    `except Exception: pass`). Unlike TRL's rule it reads a completion without a LaTeX anchor ("#### 72", "72",
+    "1,000 dollars"). verl's gsm8k data hold the bare final number, which its preprocessing extracts
+    (examples/data_preprocess/gsm8k.py `extract_solution`: the number after "#### ", commas removed); a gold that
+    still has a "#### N" is reduced the same way here (the last one), any other gold is used as given. The
+    "could not extract a prediction" warning math-verify logs per such completion is silenced (ERROR level), as
+    TRL silences math-verify's loggers in worker threads.
+    """
+    from math_verify.metric import math_metric
+    from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
+
+    logging.getLogger("math_verify.metric").setLevel(logging.ERROR)
+    gold = str(ground_truth)
+    finals = _GSM8K_FINAL.findall(gold)
+    if finals:
+        gold = finals[-1].replace(",", "")
+    verify_func = math_metric(
+        gold_extraction_target=(LatexExtractionConfig(),),
+        pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()),
+    )
+    try:
+        score, _ = verify_func(["\\boxed{" + gold + "}"], [solution_str])
+    except Exception:  # noqa: BLE001 - verl scores any failure (no gold, timeout) 0
+        return 0.0
+    return float(score)
 
 
 # ------------------------------------------------------------------------------------------ evaluation
