@@ -144,7 +144,7 @@ def test_the_dataset_task_needs_a_reward_function():
     with pytest.raises(SmdInputError, match=r"reward.function: task `dataset` has no built-in scorer"):
         load_params(None, ["prepare.task=dataset", "prepare.train_file=x.jsonl"])
     with pytest.raises(SmdInputError, match=r"reward.function.*expected path/to/rewards.py:function_name"):
-        load_params(None, ["reward.function=rewards.py"])
+        load_params(None, ["reward.function=rewards"])
     with pytest.raises(SmdInputError, match=r"reward: .*weights: 2 weight\(s\) for 1 function"):
         load_params(None, ["reward.function=r.py:f", "reward.weights=[1, 2]"])
     p = load_params(None, ["reward.function=[r.py:f, r.py:g, math_verify]"])

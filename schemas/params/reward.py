@@ -13,7 +13,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Built-in reward function names `function` accepts besides `path.py:name`.
-BUILTIN_REWARD_FUNCTIONS: tuple[str, ...] = ("math_verify",)
+BUILTIN_REWARD_FUNCTIONS: tuple[str, ...] = ("math_verify", "math_verify_verl")
 
 
 class RewardParams(BaseModel):
@@ -21,7 +21,8 @@ class RewardParams(BaseModel):
     function: list[str] = Field(
         default_factory=list,
         description="Reward functions replacing the task's built-in scorer: `path/to/rewards.py:name` (a path "
-        "relative to the working directory: the repository root under `dvc repro`) or a built-in name "
+        "relative to the working directory: the repository root under `dvc repro`; `path.py` alone means verl's "
+        "default name `compute_score`) or a built-in name "
         f"{BUILTIN_REWARD_FUNCTIONS}; one string or a list. Empty = the task's built-in scorer (schemas.rewards). "
         "Each function's convention is read from its signature: verl's per-sample `compute_score(data_source, "
         "solution_str, ground_truth, extra_info=None)` returning a number or a dict with `score`, or TRL's "
@@ -61,9 +62,12 @@ class RewardParams(BaseModel):
             if source in BUILTIN_REWARD_FUNCTIONS:
                 continue
             path, sep, name = source.rpartition(":")
-            if not sep or not path or not name.isidentifier():
-                raise ValueError(f"{source!r}: expected path/to/rewards.py:function_name or one of "
-                                 f"{', '.join(BUILTIN_REWARD_FUNCTIONS)}")
+            if sep and path and name.isidentifier():
+                continue
+            if not sep and source.endswith(".py"):  # verl's default name: path.py means path.py:compute_score
+                continue
+            raise ValueError(f"{source!r}: expected path/to/rewards.py:function_name or one of "
+                             f"{', '.join(BUILTIN_REWARD_FUNCTIONS)}")
         return value
 
     @model_validator(mode="after")
@@ -80,7 +84,7 @@ class RewardParams(BaseModel):
         out: list[str] = []
         for source in self.function:
             if source not in BUILTIN_REWARD_FUNCTIONS:
-                path = source.rpartition(":")[0]
+                path = source.rpartition(":")[0] or source
                 if path not in out:
                     out.append(path)
         return out

@@ -2,11 +2,12 @@ import re
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """verl's signature: 1.0 when the last number is the ground truth (the tiny tokenizer writes 17 as "1 7")."""
+    """verl's signature: 1.0 when the last number is the ground truth, 0.1 for another number (verl's gsm8k
+    `format_score`). The tiny word-level tokenizer writes 17 as "1 7"."""
     numbers = re.findall(r"\d+", solution_str.replace(" ", ""))
-    return float(bool(numbers) and numbers[-1] == ground_truth)
+    return 1.0 if numbers and numbers[-1] == ground_truth else 0.1 if numbers else 0.0
 
 
-def short(prompts, completions, completion_ids, **kwargs):
-    """TRL's signature: a bonus for answers of at most 4 tokens."""
-    return [1.0 if len(ids) <= 4 else 0.0 for ids in completion_ids]
+def distinct(prompts, completions, completion_ids, **kwargs):
+    """TRL's signature: the fraction of distinct tokens; None (no reward) for an empty response."""
+    return [len(set(ids)) / len(ids) if ids else None for ids in completion_ids]
