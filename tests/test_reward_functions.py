@@ -410,3 +410,13 @@ def test_math_verify_verl_reads_answers_without_a_latex_anchor():
         "math_verify": [trl for *_, trl, _ in cases],
         "math_verify_verl": [verl for *_, verl in cases],
     }
+
+
+def test_empty_batch_and_a_file_changed_after_loading(rewards_file):
+    specs = load_reward_functions([f"{rewards_file}:compute_score", f"{rewards_file}:trl_raises_in_batch"])
+    with RewardScorer(specs) as scorer:
+        assert scorer.score([]) == RewardResult([], {"compute_score": [], "trl_raises_in_batch": []}, {}, [])
+    rewards_file.write_text(rewards_file.read_text() + "\n# edited\n")
+    with pytest.raises(SmdInputError, match=rf"^reward.function: {rewards_file}:compute_score: rewards.py changed "
+                       r"since it was loaded \(sha256:[0-9a-f]{12} -> sha256:[0-9a-f]{12}\)$"):
+        RewardScorer(specs)
