@@ -291,6 +291,13 @@ def test_load_errors_are_one_line_naming_file_and_function(rewards_file, tmp_pat
     assert str(info.value) == (
         f"reward.function: {broken}:f: importing broken.py failed: ImportError: no module named sympy_extra"
     )
+    (tmp_path / "typo.py").write_text("def f(data_source, solution_str, ground_truth):\n    return (\n")
+    with pytest.raises(SmdInputError) as info:
+        load_reward_functions([f"{tmp_path / 'typo.py'}:f"])
+    assert str(info.value) == (
+        f"reward.function: {tmp_path / 'typo.py'}:f: importing typo.py failed: "
+        "SyntaxError: '(' was never closed (typo.py, line 2)"
+    )
     with pytest.raises(SmdInputError) as info:
         load_reward_functions([f"{rewards_file}:wrong_signature"])
     assert str(info.value) == (

@@ -173,6 +173,9 @@ def _fail(label: str, problem: str) -> SmdInputError:
 
 
 def _last_line(exc: BaseException) -> str:
+    """The exception's last line ("ValueError: ..."); a SyntaxError keeps its file name and line number."""
+    if isinstance(exc, SyntaxError):
+        return f"{type(exc).__name__}: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
@@ -221,7 +224,7 @@ def _convention(fn: Callable, label: str) -> str:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        raise _fail(label, "has no inspectable signature; accepted: " + _accepted()) from None
+        raise _fail(label, "has no inspectable signature; accepted: " + _accepted("or")) from None
     params = sig.parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     positional_only = [p.name for p in params if p.kind == p.POSITIONAL_ONLY]
@@ -233,11 +236,11 @@ def _convention(fn: Callable, label: str) -> str:
             return "verl"
         if ("prompts" in named or "completions" in named) and not (named & set(_VERL_REQUIRED)):
             return "trl"
-    raise _fail(label, f"signature {fn.__name__ if hasattr(fn, '__name__') else 'fn'}{sig} is neither " + _accepted())
+    raise _fail(label, f"signature {fn.__name__ if hasattr(fn, '__name__') else 'fn'}{sig} is neither " + _accepted("nor"))
 
 
-def _accepted() -> str:
-    return f"verl's {VERL_SIGNATURE} nor TRL's {TRL_SIGNATURE}"
+def _accepted(joiner: str) -> str:
+    return f"verl's {VERL_SIGNATURE} {joiner} TRL's {TRL_SIGNATURE}"
 
 
 def _load_callable(path: Path, attr: str, label: str) -> Callable:
@@ -254,7 +257,7 @@ def _load_callable(path: Path, attr: str, label: str) -> Callable:
     if not callable(fn):
         raise _fail(label, f"{attr!r} in {path.name} is a {type(fn).__name__}, not a function")
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004
-        raise _fail(label, "is an async function; write a plain def (" + _accepted() + ")")
+        raise _fail(label, "is an async function; accepted: a plain def, " + _accepted("or"))
     return fn
 
 
