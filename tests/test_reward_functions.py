@@ -103,6 +103,23 @@ def wrong_signature(text, answer):
     return 1.0
 
 
+def _make_closure(bonus):
+    def scored(data_source, solution_str, ground_truth, extra_info=None):
+        return bonus + len(solution_str)
+    return scored
+
+
+closure_verl = _make_closure(0.5)  # a closure: not picklable, so a pool must load it by path
+
+
+async def async_trl(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def only_kwargs(**kwargs):
+    return 1.0
+
+
 NOT_CALLABLE = 3
 """
 
@@ -278,8 +295,8 @@ def test_load_errors_are_one_line_naming_file_and_function(rewards_file, tmp_pat
     with pytest.raises(SmdInputError) as info:
         load_reward_functions([f"{rewards_file}:accuracy"])
     assert str(info.value) == (
-        f"reward.function: {rewards_file}:accuracy: rewards.py defines no 'accuracy' (it defines: compute_score, "
-        "echo_trl, echo_verl, length_trl, no_score, returns_inf, returns_nan, returns_text, solution_trl, "
+        f"reward.function: {rewards_file}:accuracy: rewards.py defines no 'accuracy' (it defines: async_trl, closure_verl, "
+        "compute_score, echo_trl, echo_verl, length_trl, no_score, only_kwargs, returns_inf, returns_nan, returns_text, solution_trl, "
         "trl_raises, trl_raises_in_batch, verl_raises, with_extras, wrong_length, wrong_signature)"
     )
     with pytest.raises(SmdInputError, match=r"rewards.py:NOT_CALLABLE: 'NOT_CALLABLE' in rewards.py is a int"):
@@ -291,6 +308,13 @@ def test_load_errors_are_one_line_naming_file_and_function(rewards_file, tmp_pat
     assert str(info.value) == (
         f"reward.function: {broken}:f: importing broken.py failed: ImportError: no module named sympy_extra"
     )
+    (tmp_path / "typo.py").write_text("def f(data_source, solution_str, ground_truth):\n    return (\n")
+    with pytest.raises(SmdInputError) as info:
+        load_reward_functions([f"{tmp_path / 'typo.py'}:f"])
+    assert str(info.value) == (
+        f"reward.function: {tmp_path / 'typo.py'}:f: importing typo.py failed: "
+        "SyntaxError: '(' was never closed (typo.py, line 2)"
+    )
     with pytest.raises(SmdInputError) as info:
         load_reward_functions([f"{rewards_file}:wrong_signature"])
     assert str(info.value) == (
@@ -298,6 +322,13 @@ def test_load_errors_are_one_line_naming_file_and_function(rewards_file, tmp_pat
         "verl's fn(data_source, solution_str, ground_truth, extra_info=None) nor "
         "TRL's fn(prompts, completions, completion_ids, **kwargs)"
     )
+
+
+def test_async_and_keyword_only_functions_are_refused(rewards_file):
+    with pytest.raises(SmdInputError, match=r"rewards.py:async_trl: is an async function; accepted: a plain def"):
+        load_reward_functions([f"{rewards_file}:async_trl"])
+    with pytest.raises(SmdInputError, match=r"rewards.py:only_kwargs: signature only_kwargs\(\*\*kwargs\) is neither"):
+        load_reward_functions([f"{rewards_file}:only_kwargs"])
 
 
 def test_exception_inside_a_verl_function_names_the_row(rewards_file):
@@ -333,23 +364,24 @@ def test_non_finite_or_non_numeric_returns_name_the_row(rewards_file):
 
 
 def test_pool_gives_the_in_process_results_and_errors(rewards_file):
-    names = ["compute_score", "with_extras", "length_trl"]
+    names = ["compute_score", "with_extras", "length_trl", "closure_verl"]
     completions = ["42", "plain", "", "7", "abc", "42", "x"]
     samples = _samples(completions, ["42", "", "", "8", "abc", "1", "x"],
                        columns=[{"data_source": f"src{i % 2}"} for i in range(len(completions))])
     specs = load_reward_functions([f"{rewards_file}:{n}" for n in names])
-    with RewardScorer(specs, [1.0, 0.5, -1.0]) as local:
+    with RewardScorer(specs, [1.0, 0.5, -1.0, 2.0]) as local:
         want = local.score(samples)
     bad_specs = load_reward_functions([f"{rewards_file}:compute_score", f"{rewards_file}:verl_raises"])
     bad = _samples(["ok", "x", "y", "z", "boom", "boom"])
     with RewardScorer(bad_specs) as local, pytest.raises(SmdInputError) as local_error:
         local.score(bad)
-    with RewardScorer(specs, [1.0, 0.5, -1.0], workers=2) as pool:
+    with RewardScorer(specs, [1.0, 0.5, -1.0, 2.0], workers=2) as pool:
         handle = pool.submit(samples)  # returns at once; the work runs in the pool
         got = pool.result(handle)
     with RewardScorer(bad_specs, workers=2) as pool, pytest.raises(SmdInputError) as pool_error:
         pool.score(bad)
     assert got == want
+    assert want.per_function["closure_verl"] == [2.5, 5.5, 0.5, 1.5, 3.5, 2.5, 1.5]
     assert want.extras["with_extras/src"] == ["src0", None, "src0", "src1", "src0", "src1", "src0"]
     assert str(pool_error.value) == str(local_error.value)
     assert str(local_error.value).endswith("verl_raises: raised on row row-4: ValueError: cannot score boom")
@@ -410,3 +442,13 @@ def test_math_verify_verl_reads_answers_without_a_latex_anchor():
         "math_verify": [trl for *_, trl, _ in cases],
         "math_verify_verl": [verl for *_, verl in cases],
     }
+
+
+def test_empty_batch_and_a_file_changed_after_loading(rewards_file):
+    specs = load_reward_functions([f"{rewards_file}:compute_score", f"{rewards_file}:trl_raises_in_batch"])
+    with RewardScorer(specs) as scorer:
+        assert scorer.score([]) == RewardResult([], {"compute_score": [], "trl_raises_in_batch": []}, {}, [])
+    rewards_file.write_text(rewards_file.read_text() + "\n# edited\n")
+    with pytest.raises(SmdInputError, match=rf"^reward.function: {rewards_file}:compute_score: rewards.py changed "
+                       r"since it was loaded \(sha256:[0-9a-f]{12} -> sha256:[0-9a-f]{12}\)$"):
+        RewardScorer(specs)

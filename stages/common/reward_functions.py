@@ -173,6 +173,9 @@ def _fail(label: str, problem: str) -> SmdInputError:
 
 
 def _last_line(exc: BaseException) -> str:
+    """The exception's last line ("ValueError: ..."); a SyntaxError keeps its file name and line number."""
+    if isinstance(exc, SyntaxError):
+        return f"{type(exc).__name__}: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
     return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
@@ -221,7 +224,7 @@ def _convention(fn: Callable, label: str) -> str:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        raise _fail(label, "has no inspectable signature; accepted: " + _accepted()) from None
+        raise _fail(label, "has no inspectable signature; accepted: " + _accepted("or")) from None
     params = sig.parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     positional_only = [p.name for p in params if p.kind == p.POSITIONAL_ONLY]
@@ -233,11 +236,11 @@ def _convention(fn: Callable, label: str) -> str:
             return "verl"
         if ("prompts" in named or "completions" in named) and not (named & set(_VERL_REQUIRED)):
             return "trl"
-    raise _fail(label, f"signature {fn.__name__ if hasattr(fn, '__name__') else 'fn'}{sig} is neither " + _accepted())
+    raise _fail(label, f"signature {fn.__name__ if hasattr(fn, '__name__') else 'fn'}{sig} is neither " + _accepted("nor"))
 
 
-def _accepted() -> str:
-    return f"verl's {VERL_SIGNATURE} nor TRL's {TRL_SIGNATURE}"
+def _accepted(joiner: str) -> str:
+    return f"verl's {VERL_SIGNATURE} {joiner} TRL's {TRL_SIGNATURE}"
 
 
 def _load_callable(path: Path, attr: str, label: str) -> Callable:
@@ -254,8 +257,13 @@ def _load_callable(path: Path, attr: str, label: str) -> Callable:
     if not callable(fn):
         raise _fail(label, f"{attr!r} in {path.name} is a {type(fn).__name__}, not a function")
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004
-        raise _fail(label, "is an async function; write a plain def (" + _accepted() + ")")
+        raise _fail(label, "is an async function; accepted: a plain def, " + _accepted("or"))
     return fn
+
+
+# Functions load_reward_functions imported in this process, by (path, attr, digest): a scorer in the same process
+# reuses them instead of running the file's top level a second time (pool workers load their own).
+_LOADED: dict[tuple[Path, str, str], Callable] = {}
 
 
 def _math_verify_version() -> str:
@@ -294,6 +302,7 @@ def load_reward_functions(sources: list[str], base_dir: Path | None = None) -> l
             fn = _load_callable(path, attr, label)
             convention = _convention(fn, label)
             digest = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+            _LOADED[(path, attr, digest)] = fn
         seen[attr] = seen.get(attr, 0) + 1
         name = attr if seen[attr] == 1 else f"{attr}#{seen[attr]}"
         specs.append(RewardFunctionSpec(name, source, path, attr, convention, digest))
@@ -306,11 +315,13 @@ def _materialize(spec: RewardFunctionSpec) -> Callable:
             _math_verify_version()
             return math_verify_reward if spec.attr == BUILTIN_MATH_VERIFY else math_verify_verl_reward
         raise _fail(spec.label, "unknown built-in")
-    fn = _load_callable(spec.path, spec.attr, spec.label)
+    if not spec.path.is_file():
+        raise _fail(spec.label, f"no such file {spec.path}")
     digest = "sha256:" + hashlib.sha256(spec.path.read_bytes()).hexdigest()
     if digest != spec.digest:
         raise _fail(spec.label, f"{spec.path.name} changed since it was loaded ({spec.digest[:19]} -> {digest[:19]})")
-    return fn
+    cached = _LOADED.get((spec.path, spec.attr, digest))
+    return cached if cached is not None else _load_callable(spec.path, spec.attr, spec.label)
 
 
 # ------------------------------------------------------------------------------------------ the built-in
@@ -498,7 +509,8 @@ def _is_conversational(prompt: Any) -> bool:
 
 def _call_trl(fn: Callable, samples: list[RewardSample]) -> Any:
     prompts, completions, ids, columns = _trl_inputs(samples)
-    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": ids, **columns}
+    # TRL's own keywords win over a column of the same name (TRL itself would fail on the clash)
+    kwargs = {**columns, "prompts": prompts, "completions": completions, "completion_ids": ids}
     accepted, var_kw = _accepts(fn)
     if not var_kw:
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
@@ -631,13 +643,16 @@ class RewardScorer:
         n = len(samples)
         verl = [i for i, s in enumerate(self.specs) if s.convention == "verl"]
         trl = [i for i, s in enumerate(self.specs) if s.convention == "trl"]
+        if n == 0:  # nothing to score: no function is called
+            empty = ({i: [] for i in range(len(self.specs))}, {}, None)
+            return _Handle(0, [(list(range(len(self.specs))), 0, 0, empty)])
         if self._pool is None:
             assert self._fns is not None
             fns = [(i, self.specs[i], self._fns[i]) for i in range(len(self.specs))]
             done = _evaluate(fns, samples, 0, self.default_data_source)
             return _Handle(n, [(list(range(len(self.specs))), 0, n, done)])
         parts: list[tuple[list[int], int, int, Any]] = []
-        if verl and n:
+        if verl:
             size = -(-n // self.workers)
             for start in range(0, n, size):
                 chunk = samples[start:start + size]
@@ -646,8 +661,6 @@ class RewardScorer:
         for i in trl:
             fut = self._pool.submit(_worker_task, [i], samples, 0, self.default_data_source, self.specs)
             parts.append(([i], 0, n, fut))
-        if not n:
-            parts.append((verl, 0, 0, ({i: [] for i in verl}, {}, None)))
         return _Handle(n, parts)
 
     def result(self, handle: _Handle) -> RewardResult:
