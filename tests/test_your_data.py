@@ -1,0 +1,143 @@
+"""Your data, your reward (issue 33) through the stages: rollout scores with the user's functions (in-process or in
+a pool, the same rewards), records each function's value and the file's digest, carries the data set row; a bad
+reward is one line naming file, function and row, with nothing written; the README's worked example runs as
+written (slow)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from schemas.errors import SmdInputError
+from schemas.tables import read_table, table_config, write_table
+from stages.common.scoring import check_reward_record, reward_file_digests
+from stages.rollout.stage import run_rollout
+from tests.helpers import ROOT, make_model_dir, make_params, random_prompts, subprocess_env
+
+REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": (len(solution_str) % 3) / 2, "source_ok": data_source == "kv_demo"}
+
+
+def per_row(prompts, completions, completion_ids, **kwargs):
+    return [None if ids[0] % 4 == 0 else float(len(ids)) + int(kwargs["extra_info"][i]["index"])
+            for i, ids in enumerate(completion_ids)]
+
+
+def broken(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 2:
+        raise ValueError("cannot score this one")
+    return 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("your-data"), "gqa")
+
+
+def user_prompts(root: Path) -> Path:
+    rows = []
+    for i, ids in enumerate(random_prompts([30, 41, 36], seed=3)):
+        row = {"data_source": "kv_demo", "prompt": f"question {i}", "reward_model": {"ground_truth": str(i)},
+               "extra_info": {"split": "train", "index": i}}
+        rows.append({"prompt_id": f"train-{i}", "task": "dataset", "prompt": row["prompt"], "prompt_token_ids": ids,
+                     "reference": str(i), "row_json": json.dumps(row)})
+    return write_table(rows, root / "train.arrow", "prompts")
+
+
+def rollout_params(rewards: Path, *functions: str, **over):
+    return make_params(**{"prepare.task": "dataset", "prepare.train_file": "x.jsonl",
+                          "reward.function": "[" + ",".join(f"{rewards}:{f}" for f in functions) + "]", **over})
+
+
+def test_rollout_scores_with_the_users_functions_pool_or_not(model_dir, tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    prompts = user_prompts(tmp_path)
+    p = rollout_params(rewards, "compute_score", "per_row", **{"reward.weights": "[2.0,0.5]"})
+    out = run_rollout(p, 1, model_dir, prompts, tmp_path / "a", show_progress=False)
+    table = read_table(out["trajectories"], "trajectories")
+    df = table.to_pandas()
+    for row in df.itertuples():
+        data = json.loads(row.row_json)
+        terms = json.loads(row.reward_terms)
+        text, ids = row.response_text, list(row.response_token_ids)
+        want_a = (len(text) % 3) / 2  # hand rule of compute_score
+        want_b = None if ids[0] % 4 == 0 else float(len(ids)) + data["extra_info"]["index"]
+        assert terms == {"compute_score": want_a, "per_row": want_b}
+        assert row.reward == pytest.approx(2.0 * want_a + (0.5 * want_b if want_b is not None else 0.0), abs=1e-6)
+    digest = reward_file_digests(p.reward)[str(rewards)]
+    assert table_config(table)["reward_digests"] == {f"{rewards}:compute_score": digest, f"{rewards}:per_row": digest}
+    details = json.loads((tmp_path / "a" / "details.json").read_text())
+    values = details.get("values", details)
+    assert values["rewards/compute_score/mean"] == pytest.approx(df.reward_terms.map(
+        lambda t: json.loads(t)["compute_score"]).mean())
+    # the same rewards from a pool of 2 processes
+    pooled = run_rollout(rollout_params(rewards, "compute_score", "per_row", **{"reward.weights": "[2.0,0.5]",
+                                                                                 "reward.workers": 2}),
+                         1, model_dir, prompts, tmp_path / "b", show_progress=False)
+    again = pd.read_feather(pooled["trajectories"])
+    assert list(again.reward) == list(df.reward) and list(again.reward_terms) == list(df.reward_terms)
+
+
+def test_a_reward_that_raises_is_one_line_and_nothing_is_written(model_dir, tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    p = rollout_params(rewards, "broken")
+    with pytest.raises(SmdInputError, match=r"rewards.py:broken: .*train-2.*ValueError: cannot score this one"):
+        run_rollout(p, 1, model_dir, user_prompts(tmp_path), tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_changed_reward_file_stops_a_resumed_run(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    p = rollout_params(rewards, "compute_score")
+    check_reward_record(p.reward, tmp_path / "reward_files.json")  # first start: recorded
+    check_reward_record(p.reward, tmp_path / "reward_files.json")  # same file: fine
+    rewards.write_text(REWARDS + "\n# edited\n")
+    with pytest.raises(SmdInputError, match=r"rewards.py: reward.function: the file changed since this run started"):
+        check_reward_record(p.reward, tmp_path / "reward_files.json")
+    other = rollout_params(rewards, "compute_score", "per_row")
+    rewards.write_text(REWARDS)
+    with pytest.raises(SmdInputError, match=r"reward: the reward functions changed since this run started"):
+        check_reward_record(other.reward, tmp_path / "reward_files.json")
+
+
+def readme_example() -> str:
+    """The README's worked example (section "Your data, your reward"), as a shell script."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Your data, your reward", 1)[1]
+    block = re.search(r"\n\n((?:    .*\n)+)", section[section.index("The worked example"):]).group(1)
+    return "\n".join(line[4:] for line in block.splitlines())
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_end_to_end(tmp_path):
+    script = readme_example()
+    assert "smdctl chain" in script and "docs/examples/your_data/rewards.py" in script
+    shutil.copytree(ROOT / "docs" / "examples", tmp_path / "docs" / "examples")
+    (tmp_path / "params.yaml").write_text("")
+    script = script.replace(".venv/bin/smdctl", str(Path(sys.executable).parent / "smdctl"))
+    proc = subprocess.run(["bash", "-euc", script], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "your_data" / "run" / "artifacts" / "iter-001"
+    trajectories = pd.read_feather(run / "rollout" / "trajectories.arrow")
+    assert len(trajectories) == 16 and (trajectories.task == "dataset").all()
+    for row in trajectories.itertuples():
+        terms = json.loads(row.reward_terms)
+        assert row.reward == pytest.approx(terms["compute_score"] + 0.5 * (terms["distinct"] or 0.0), abs=1e-6)
+        assert json.loads(row.row_json)["data_source"] == "kv_demo"
+    details = json.loads((run / "evaluate" / "details.json").read_text())
+    values = details.get("values", details)
+    assert values["metric"] == "reward:compute_score+distinct" and "eval/dense/rewards/distinct/mean" in values
+    assert "smd: dataset on" in proc.stdout + proc.stderr  # the summary's title
