@@ -167,5 +167,24 @@ def bench_learner_cmd(
                                       device=device, dtype=dtype))
 
 
+@bench_app.command("reward")
+def bench_reward_cmd(
+    workers: Annotated[str, typer.Option(help="Comma-separated reward.workers to compare (0 = in the stage's process).")] = "0,2",
+    sleep_ms: Annotated[float, typer.Option(min=0, help="What the reward function sleeps per sample.")] = 5.0,
+    policy: Annotated[Path | None, typer.Option(help="Policy directory (default: the default tiny model, random init).")] = None,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts of the rollout.")] = 32,
+    group_size: Annotated[int, typer.Option(min=1, help="Samples per prompt.")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens per random prompt.")] = 100,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per sequence.")] = 16,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved runs per configuration; the fastest counts.")] = 2,
+) -> None:
+    """Rollout tokens/s with a slow reward function in the stage's process vs a reward pool (reward.workers)."""
+    from stages.bench.reward import bench_reward
+
+    guarded(lambda: bench_reward([int(x) for x in workers.split(",") if x.strip()], sleep_ms, policy, prompts,
+                                 group_size, prompt_tokens, new_tokens, batch_size, repeats))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

@@ -64,6 +64,7 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -581,6 +582,12 @@ def _worker_init(specs: list[RewardFunctionSpec]) -> None:
         _WORKER["error"] = str(err)
 
 
+def _worker_ready() -> tuple[int, str | None]:
+    """Pool warm-up task: this worker's pid and its loading error, if any."""
+    time.sleep(0.05)  # long enough that each warm-up task lands on its own worker
+    return os.getpid(), _WORKER.get("error")
+
+
 def _worker_task(indices: list[int], samples: list[RewardSample], offset: int, default_data_source: str,
                  specs: list[RewardFunctionSpec]):
     if "error" in _WORKER:
@@ -625,6 +632,16 @@ class RewardScorer:
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_worker_init, initargs=(self.specs,),
             )
+
+    def start(self) -> None:
+        """Start the pool's workers now (spawn, imports, the functions loaded), so the first batch a stage submits
+        does not wait for them and a file that fails to load in a worker is reported before any sampling."""
+        if self._pool is None:
+            return
+        for fut in [self._pool.submit(_worker_ready) for _ in range(self.workers)]:
+            _, error = fut.result()
+            if error:
+                raise SmdInputError(error)
 
     def __enter__(self) -> RewardScorer:
         return self

@@ -56,7 +56,7 @@ class Scoring:
 
             self.specs = load_reward_functions(reward.function, base_dir)
             self.scorer = RewardScorer(self.specs, reward.weights, reward.workers)
-
+            self.scorer.start()  # a pool's workers up before the stage's clock starts
     def __enter__(self) -> Scoring:
         return self
 
