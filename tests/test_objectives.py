@@ -6,6 +6,7 @@ import ast
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -688,3 +689,28 @@ def test_zero_advantage_group_fraction_by_hand():
     # consistent with group_advantages: all-equal groups get exactly zero advantage
     adv = group_advantages(rewards, groups)
     assert (adv[[0, 1, 4, 5, 6]] == 0).all() and (adv[[2, 3]] != 0).all()
+
+
+def test_unscored_rows_leave_the_group_baseline_as_trl_does():
+    """TRL >= 1.6 (PR #5902): a row every reward function scored None is left out of its group's mean, std and
+    count and gets advantage 0; checked against an independent numpy computation in float64."""
+    rng = np.random.default_rng(5)
+    rewards = rng.integers(0, 4, size=24).astype(np.float64)
+    groups = np.repeat(np.arange(6), 4)
+    scored = rng.random(24) > 0.3
+    scored[20:24] = [True, False, False, False]  # a group with one scored row: no contrast
+    scored[16:20] = False  # a group with none
+    want = np.zeros(24)
+    for g in range(6):
+        rows = np.flatnonzero((groups == g) & scored)
+        if len(rows) < 2 or np.ptp(rewards[rows]) == 0:
+            continue
+        mean, std = rewards[rows].mean(), rewards[rows].std(ddof=1)
+        want[rows] = (rewards[rows] - mean) / (std + 1e-6)
+    got = group_advantages(torch.from_numpy(rewards), torch.from_numpy(groups), scored=torch.from_numpy(scored))
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+    assert (got.numpy()[~scored] == 0).all()
+    # every row scored: the same as without the mask
+    full = group_advantages(torch.from_numpy(rewards), torch.from_numpy(groups))
+    assert torch.equal(group_advantages(torch.from_numpy(rewards), torch.from_numpy(groups),
+                                        scored=torch.ones(24, dtype=torch.bool)), full)

@@ -8,6 +8,7 @@ row, per-layer evict_at with `pad_evict_at`, and, for the flex backend, one Bloc
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,16 @@ def _check_store(store: MaskStore, data: LearnerData, num_layers: int, num_kv_he
             )
 
 
+def scored_rows(table) -> np.ndarray | None:
+    """[N] bool from the trajectories' `reward_terms` (reward functions, issue 33): False where every function
+    returned None (TRL's unscorable rows, left out of the advantages: `group_advantages(scored=)`); None when the
+    table has no such column (built-in scorers score every row)."""
+    if "reward_terms" not in table.column_names:
+        return None
+    terms = [json.loads(t) if t else {} for t in table.column("reward_terms").to_pylist()]
+    return np.array([not t or any(v is not None for v in t.values()) for t in terms], dtype=bool)
+
+
 def load_learner_data(
     cfg: LearnerParams,
     trajectories_path: str | Path,
@@ -114,8 +125,10 @@ def load_learner_data(
     if sum(len(x) for x in cols["response_token_ids"]) == 0:
         raise SmdInputError(f"{traj_path}: response_token_ids: the batch has no response tokens (nothing to learn)")
     _, group = np.unique(np.asarray(cols["prompt_id"], dtype=object), return_inverse=True)
+    scored = scored_rows(table)
     adv = group_advantages(torch.from_numpy(rewards), torch.from_numpy(group.astype(np.int64)),
-                           eps=cfg.advantage_eps, scale=cfg.advantage_scale)
+                           eps=cfg.advantage_eps, scale=cfg.advantage_scale,
+                           scored=None if scored is None else torch.from_numpy(scored))
     data = LearnerData(
         trajectories_path=traj_path,
         rollout_config=table_config(table),

@@ -163,11 +163,14 @@ def zero_advantage_group_fraction(rewards: Tensor, group_ids: Tensor) -> float:
     return float(_constant_groups(rewards.detach().double(), inverse).double().mean())
 
 
-def _constant_groups(r: Tensor, inverse: Tensor) -> Tensor:
-    """[G] bool: the groups (`inverse` [N] -> 0..G-1) whose values `r` [N] are all equal."""
+def _constant_groups(r: Tensor, inverse: Tensor, among: Tensor | None = None) -> Tensor:
+    """[G] bool: the groups (`inverse` [N] -> 0..G-1) whose values `r` [N] are all equal (over the rows `among`,
+    default all; a group with none of them is not constant)."""
     n_groups = int(inverse.max()) + 1
-    gmax = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inverse, r, "amax")
-    gmin = torch.full((n_groups,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inverse, r, "amin")
+    high = r if among is None else torch.where(among, r, torch.full_like(r, -math.inf))
+    low = r if among is None else torch.where(among, r, torch.full_like(r, math.inf))
+    gmax = torch.full((n_groups,), -math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inverse, high, "amax")
+    gmin = torch.full((n_groups,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, inverse, low, "amin")
     return gmax == gmin
 
 
@@ -179,6 +182,7 @@ def group_advantages(
     group_size: int | None = None,
     eps: float = 1e-6,
     scale: str = "std",
+    scored: Tensor | None = None,
 ) -> Tensor:
     """GRPO group-normalised advantages, `[N] -> [N]` (dtype of `rewards`, float32 for integer rewards).
 
@@ -186,6 +190,10 @@ def group_advantages(
     scale="std":  (r - mean_g) / (std_g + eps), std_g the unbiased (Bessel) group std, as TRL and verl.
     scale="none": r - mean_g (Dr. GRPO).
     A group whose rewards are all equal, and a group of one, gets exactly 0 (no contrast, no signal).
+    `scored [N]` bool (default all True): rows with False, which no reward function could score (every one
+    returned None), are left out of their group's mean, std and count and get advantage 0, as TRL's GRPOTrainer
+    does from v1.6.0 (PR #5902: `nanmean` / `nanstd` over the group with such rows' rewards set to NaN, their
+    advantages zeroed), so an unscorable row neither pulls its siblings' baseline nor is pushed itself.
     Non-finite rewards raise SmdInputError.
     """
     _check_choice("advantage scale", scale, ("std", "none"))
@@ -212,20 +220,25 @@ def group_advantages(
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     if n == 0:
         return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    if scored is not None and scored.shape != rewards.shape:
+        raise SmdInputError(f"scored: shape {tuple(scored.shape)} does not match rewards {tuple(rewards.shape)}")
     r = rewards.detach().double()
+    weight = torch.ones_like(r) if scored is None else scored.to(device=r.device, dtype=torch.float64)
     n_groups = int(inverse.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(
-        0, inverse, torch.ones_like(r)
-    )
-    total = torch.zeros_like(count).index_add_(0, inverse, r)
-    mean = (total / count)[inverse]
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, inverse, weight)
+    total = torch.zeros_like(count).index_add_(0, inverse, r * weight)
+    mean = (total / count.clamp(min=1))[inverse]
     centred = r - mean
     if scale == "std":
-        sq = torch.zeros_like(count).index_add_(0, inverse, centred * centred)
+        sq = torch.zeros_like(count).index_add_(0, inverse, centred * centred * weight)
         std = torch.sqrt(sq / (count - 1).clamp(min=1))[inverse]
         centred = centred / (std + eps)
-    # Exact zeros for constant groups (r - mean may be 1e-17 off in floating point) and singletons.
-    flat = (_constant_groups(r, inverse) | (count < 2))[inverse]
+    # Exact zeros for constant groups (r - mean may be 1e-17 off in floating point) and singletons, both judged
+    # on the scored rows; unscored rows are 0.
+    if scored is None:
+        flat = (_constant_groups(r, inverse) | (count < 2))[inverse]
+    else:
+        flat = (_constant_groups(r, inverse, scored) | (count < 2))[inverse] | ~scored
     centred = torch.where(flat, torch.zeros_like(centred), centred)
     return centred.to(out_dtype)
 
