@@ -110,9 +110,9 @@ def test_stops_at_target_exact_match_on_held_out_longest_rows(setup, tmp_path, m
 
     real_eval, seen, scripted = ws_train.greedy_eval, [], iter([0.0, 0.25, 0.75, 1.0])
 
-    def fake_eval(model, tokenizer, rows, batch_size, max_new_tokens):
+    def fake_eval(model, tokenizer, rows, batch_size, max_new_tokens, scoring=None):
         if len(rows) == p.prepare.num_eval:  # the final eval on the eval split runs for real
-            return real_eval(model, tokenizer, rows, batch_size, max_new_tokens)
+            return real_eval(model, tokenizer, rows, batch_size, max_new_tokens, scoring)
         seen.append([r["prompt_id"] for r in rows])
         return {"exact_match": next(scripted)}
 
