@@ -12,6 +12,7 @@ from schemas.params.prepare import GENERATED_TASKS, USER_DATA_TASKS, PreparePara
 from schemas.tables import write_table
 from stages.common.model import load_tokenizer, prompt_token_ids
 from stages.prepare import instruct, loaders, synthetic, user_data
+from stages.prepare.user_data import unique_id
 
 GENERATORS = {**synthetic.GENERATORS, **instruct.GENERATORS}
 
@@ -52,10 +53,7 @@ def _dataset_rows(
         prompt, ids = rendered
         if cfg.chat_template and getattr(tokenizer, "chat_template", None):
             ids = prompt_token_ids(tokenizer, prompt)  # the truncated text in the chat turn (+ the template's tokens)
-        pid, k = ex.source_id, 2
-        while pid in seen:
-            pid, k = f"{ex.source_id}#{k}", k + 1
-        seen.add(pid)
+        pid = unique_id(ex.source_id, seen)
         rows.append(
             {
                 "prompt_id": pid,
@@ -75,6 +73,17 @@ def _dataset_rows(
     return rows, dropped
 
 
+def split_off_eval(items: list, cfg: PrepareParams, seed: int, path: Path, unit: str) -> tuple[list, list]:
+    """(eval, train): `num_eval` items (at most half) split off by a seeded shuffle, when there is no eval file."""
+    shuffled = list(items)
+    random.Random(f"smd-prepare-split:{cfg.task}:{seed}").shuffle(shuffled)
+    held_out = min(cfg.num_eval, len(shuffled) // 2)
+    if held_out == 0:
+        raise SmdInputError(f"{path}: eval split is empty ({len(shuffled)} {unit}; set prepare.eval_file or add "
+                            f"{unit}s)")
+    return shuffled[:held_out], shuffled[held_out:]
+
+
 def _user_data_splits(cfg: PrepareParams, tokenizer, seed: int) -> tuple[dict[str, list], dict[str, int]]:
     """Train and eval rows of a user's data set (stages.prepare.user_data): `eval_file`, else `num_eval` rows split
     off the train file (the seeded shuffle of the other data set tasks)."""
@@ -85,13 +94,7 @@ def _user_data_splits(cfg: PrepareParams, tokenizer, seed: int) -> tuple[dict[st
         held = user_data.load_rows(eval_path, cfg.prompt_key, cfg.reference_key)
     else:
         eval_path = train_path
-        shuffled = list(train)
-        random.Random(f"smd-prepare-split:{cfg.task}:{seed}").shuffle(shuffled)
-        n_eval = min(cfg.num_eval, len(shuffled) // 2)
-        if n_eval == 0:
-            raise SmdInputError(f"{train_path}: eval split is empty ({len(shuffled)} row; set prepare.eval_file or "
-                                "add rows)")
-        held, train = shuffled[:n_eval], shuffled[n_eval:]
+        held, train = split_off_eval(train, cfg, seed, train_path, "row")
     splits, dropped = {}, {}
     splits["train"], dropped["train"] = user_data.table_rows(cfg, tokenizer, train, cfg.num_train, str(train_path),
                                                              "train")
@@ -143,14 +146,7 @@ def run_prepare(
                 raise SmdInputError(f"{eval_path}: eval split is empty (no records)")
         else:
             eval_path = train_path
-            shuffled = list(train_examples)
-            random.Random(f"smd-prepare-split:{cfg.task}:{seed}").shuffle(shuffled)
-            held_out = min(cfg.num_eval, len(shuffled) // 2)
-            if held_out == 0:
-                raise SmdInputError(
-                    f"{train_path}: eval split is empty ({len(shuffled)} record; set prepare.eval_file or add records)"
-                )
-            eval_examples, train_examples = shuffled[:held_out], shuffled[held_out:]
+            eval_examples, train_examples = split_off_eval(train_examples, cfg, seed, train_path, "record")
         splits = {}
         splits["train"], dropped["train"] = _dataset_rows(
             cfg, tokenizer, train_examples, "train", cfg.num_train, str(train_path)

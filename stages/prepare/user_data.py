@@ -161,6 +161,15 @@ def render(row: DatasetRow, tokenizer, chat_template: bool, prompt_key: str) -> 
     return json.dumps(row.prompt, ensure_ascii=False), list(ids)
 
 
+def unique_id(base: str, seen: set[str]) -> str:
+    """`base`, or `base#2`, `base#3`, ... when taken; recorded in `seen`."""
+    pid, k = base, 2
+    while pid in seen:
+        pid, k = f"{base}#{k}", k + 1
+    seen.add(pid)
+    return pid
+
+
 def table_rows(cfg: PrepareParams, tokenizer, rows: list[DatasetRow], limit: int,
                source: str, split: str) -> tuple[list[dict[str, Any]], int]:
     """Prompts-table rows (with `row_json`) of the first `limit` usable rows, and how many were dropped as longer
@@ -175,10 +184,7 @@ def table_rows(cfg: PrepareParams, tokenizer, rows: list[DatasetRow], limit: int
         if len(ids) > cfg.max_prompt_tokens or (cfg.max_reference_chars and len(row.reference) > cfg.max_reference_chars):
             dropped += 1
             continue
-        pid, k = row.source_id, 2
-        while pid in seen:
-            pid, k = f"{row.source_id}#{k}", k + 1
-        seen.add(pid)
+        pid = unique_id(row.source_id, seen)
         out.append({"prompt_id": pid, "task": cfg.task, "prompt": text, "prompt_token_ids": ids,
                     "reference": row.reference, "row_json": json.dumps(row.row, ensure_ascii=False, default=str)})
     if not out:
