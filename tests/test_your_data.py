@@ -141,3 +141,15 @@ def test_the_readme_example_runs_end_to_end(tmp_path):
     values = details.get("values", details)
     assert values["metric"] == "reward:compute_score+distinct" and "eval/dense/rewards/distinct/mean" in values
     assert "smd: dataset on" in proc.stdout + proc.stderr  # the summary's title
+
+
+def test_bench_reward_prints_the_side_by_side_table():
+    from stages.bench.reward import bench_reward
+
+    lines: list[str] = []
+    results = bench_reward([0, 2], 1.0, None, num_prompts=2, group_size=2, prompt_tokens=12, new_tokens=3,
+                           batch_size=2, repeats=1, print_fn=lines.append)
+    assert [r["config"] for r in results] == ["built-in scorer", "1 ms reward, workers 0", "1 ms reward, workers 2"]
+    assert results[1]["rewards"] == results[2]["rewards"] and len(results[1]["rewards"]) == 4
+    assert lines[-1] == "rewards identical across worker counts: True"
+    assert any(line.startswith("1 ms reward, workers 2") and line.endswith("x") for line in lines)
