@@ -168,6 +168,8 @@ def _log_tail(log: Path) -> str:
 @pytest.mark.slow
 def test_kill_9_inside_every_stage_then_rerun_gives_the_same_artifacts(tmp_path):
     ref, crash = _crash_project(tmp_path / "ref"), _crash_project(tmp_path / "crash")
+    for proj in (ref, crash):  # the reward record the scoring stages depend on (dvc.yaml's always-changed stage)
+        run_ok(["smdctl", "reward-files"], proj)
     log = tmp_path / "stages.log"
     all_outputs = [out for *_, outs, _ in STAGES for out in outs]
     rng = random.Random(13)
@@ -209,7 +211,8 @@ def test_kill_9_inside_every_stage_then_rerun_gives_the_same_artifacts(tmp_path)
 
     # Through DVC: upstream stages recorded in dvc.lock; `dvc repro compact@1` killed (the whole process group)
     # inside its write, then `dvc repro compact@1` again.
-    run_ok(["dvc", "commit", "-f", "-q", "iterations", "init-model", "prepare", "warmstart", "rollout@1"], crash)
+    run_ok(["dvc", "commit", "-f", "-q", "iterations", "reward-files", "init-model", "prepare", "warmstart",
+            "rollout@1"], crash)
     watched = crash / "artifacts/iter-001/compact"
     for _ in range(5):
         proc = subprocess.Popen(["dvc", "repro", "compact@1"], cwd=crash, env=subprocess_env(),
