@@ -302,12 +302,17 @@ def load_reward_functions(sources: list[str], base_dir: Path | None = None) -> l
             path = _resolve(path_text, base_dir)
             fn = _load_callable(path, attr, label)
             convention = _convention(fn, label)
-            digest = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+            digest = file_digest(path)
             _LOADED[(path, attr, digest)] = fn
         seen[attr] = seen.get(attr, 0) + 1
         name = attr if seen[attr] == 1 else f"{attr}#{seen[attr]}"
         specs.append(RewardFunctionSpec(name, source, path, attr, convention, digest))
     return specs
+
+
+def file_digest(path: Path) -> str:
+    """`sha256:<hex>` of a reward file's bytes: a spec's digest, the reward record's and the chain's check."""
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _materialize(spec: RewardFunctionSpec) -> Callable:
@@ -318,7 +323,7 @@ def _materialize(spec: RewardFunctionSpec) -> Callable:
         raise _fail(spec.label, "unknown built-in")
     if not spec.path.is_file():
         raise _fail(spec.label, f"no such file {spec.path}")
-    digest = "sha256:" + hashlib.sha256(spec.path.read_bytes()).hexdigest()
+    digest = file_digest(spec.path)
     if digest != spec.digest:
         raise _fail(spec.label, f"{spec.path.name} changed since it was loaded ({spec.digest[:19]} -> {digest[:19]})")
     cached = _LOADED.get((spec.path, spec.attr, digest))

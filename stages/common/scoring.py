@@ -18,9 +18,7 @@ What a reward function receives for a prompt-table row:
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +124,8 @@ def term_means(terms: list[str | None]) -> dict[str, float]:
     """TRL's per-function log lines over rows' `reward_terms`: `rewards/<name>/mean` and `rewards/<name>/std` over
     the values that are not None (TRL's `nanmean` / `nanstd`, trl/trainer/utils.py: the std with Bessel's
     correction), plus `rewards/<name>/none_fraction` (the rows it scored None)."""
+    from stages.common.reward_functions import nan_mean_std
+
     values: dict[str, list[float | None]] = {}
     for raw in terms:
         if raw is None:
@@ -135,11 +135,11 @@ def term_means(terms: list[str | None]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, vals in values.items():
         present = [float(v) for v in vals if v is not None]
+        mean, std = nan_mean_std(present)
         if present:  # (no key rather than a NaN, which JSON metrics files cannot hold)
-            mean = sum(present) / len(present)
             out[f"rewards/{name}/mean"] = mean
         if len(present) > 1:
-            out[f"rewards/{name}/std"] = math.sqrt(sum((v - mean) ** 2 for v in present) / (len(present) - 1))
+            out[f"rewards/{name}/std"] = std
         out[f"rewards/{name}/none_fraction"] = 1 - len(present) / len(vals)
     return out
 
@@ -148,13 +148,14 @@ def reward_file_digests(reward: RewardParams, base_dir: Path | None = None) -> d
     """`sha256:<hex>` of the bytes of each user file `reward.function` names (built-ins have none), relative paths
     taken from `base_dir` (default: the working directory); one line for a file that is missing."""
     from schemas.errors import SmdInputError
+    from stages.common.reward_functions import file_digest
 
     out = {}
     for name in reward.files():
         path = Path(name) if base_dir is None or Path(name).is_absolute() else Path(base_dir) / name
         if not path.is_file():
             raise SmdInputError(f"{path}: reward.function: no such file")
-        out[name] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+        out[name] = file_digest(path)
     return out
 
 
