@@ -31,8 +31,9 @@ if not torch.cuda.is_available():
 
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads_per_worker = max(1, (os.cpu_count() or 1) // XDIST_WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_worker)
+    torch.set_num_threads(threads_per_worker)
 
 # The slowest files of the full suite (`--durations`, 2 workers on 2 cores), longest first: each holds a test of
 # 2-7 minutes (a whole warm start, the 2-node pipeline, `dvc repro`, the README's example, 2-process learners).

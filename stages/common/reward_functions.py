@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.errors import SmdInputError
+from schemas.weights import file_sha256
 
 BUILTIN_MATH_VERIFY = "math_verify"
 BUILTIN_MATH_VERIFY_VERL = "math_verify_verl"
@@ -302,17 +303,12 @@ def load_reward_functions(sources: list[str], base_dir: Path | None = None) -> l
             path = _resolve(path_text, base_dir)
             fn = _load_callable(path, attr, label)
             convention = _convention(fn, label)
-            digest = file_digest(path)
+            digest = file_sha256(path)
             _LOADED[(path, attr, digest)] = fn
         seen[attr] = seen.get(attr, 0) + 1
         name = attr if seen[attr] == 1 else f"{attr}#{seen[attr]}"
         specs.append(RewardFunctionSpec(name, source, path, attr, convention, digest))
     return specs
-
-
-def file_digest(path: Path) -> str:
-    """`sha256:<hex>` of a reward file's bytes: a spec's digest, the reward record's and the chain's check."""
-    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _materialize(spec: RewardFunctionSpec) -> Callable:
@@ -323,7 +319,7 @@ def _materialize(spec: RewardFunctionSpec) -> Callable:
         raise _fail(spec.label, "unknown built-in")
     if not spec.path.is_file():
         raise _fail(spec.label, f"no such file {spec.path}")
-    digest = file_digest(spec.path)
+    digest = file_sha256(spec.path)
     if digest != spec.digest:
         raise _fail(spec.label, f"{spec.path.name} changed since it was loaded ({spec.digest[:19]} -> {digest[:19]})")
     cached = _LOADED.get((spec.path, spec.attr, digest))

@@ -25,6 +25,7 @@ from typing import Any
 
 from schemas import rewards
 from schemas.params.reward import RewardParams
+from schemas.weights import file_sha256
 
 
 @dataclass
@@ -148,14 +149,13 @@ def reward_file_digests(reward: RewardParams, base_dir: Path | None = None) -> d
     """`sha256:<hex>` of the bytes of each user file `reward.function` names (built-ins have none), relative paths
     taken from `base_dir` (default: the working directory); one line for a file that is missing."""
     from schemas.errors import SmdInputError
-    from stages.common.reward_functions import file_digest
 
     out = {}
     for name in reward.files():
         path = Path(name) if base_dir is None or Path(name).is_absolute() else Path(base_dir) / name
         if not path.is_file():
             raise SmdInputError(f"{path}: reward.function: no such file")
-        out[name] = file_digest(path)
+        out[name] = file_sha256(path)
     return out
 
 
