@@ -273,6 +273,15 @@ class LearnerParams(BaseModel):
         "memory ~ 2 x chunk x vocabulary x 4 bytes (256 x 151,936: ~0.3 GiB); the tiny model's batches fit one "
         "chunk. Larger = fewer, larger lm-head matmuls.",
     )
+    shared_prompt: bool = Field(
+        True,
+        description="Forward each GRPO group's prompt once per micro-batch (stages/learner/shared_prompt.py, "
+        "docs/design.md §3c): micro-batches hold whole groups (or parts of one), the prompt runs once into a KV "
+        "cache, and the group's responses run on top of it, each under its own shadow mask; the dense teacher "
+        "shares the same prompt pass. The same loss and gradients as the per-sample forward (float64 tests to "
+        "1e-10), with the prompt's tokens forwarded once instead of G times. false: every sample forwards its "
+        "prompt (the per-sample reference). With gradient_checkpointing the per-sample forward runs.",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Activation checkpointing of every decoder layer (transformers' activation_checkpointing_enable, "

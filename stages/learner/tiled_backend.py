@@ -72,7 +72,9 @@ class _TiledShadow(torch.autograd.Function):
         B, Hq, Q, D = query.shape
         groups = Hq // key.shape[1]
         out = torch.zeros_like(query)
-        lse = torch.zeros(B, Hq, Q, dtype=torch.float32, device=query.device)
+        # the kernel's log-sum-exp is float32 for float32 and lower precisions, float64 for float64 (exactness tests)
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        lse = torch.zeros(B, Hq, Q, dtype=lse_dtype, device=query.device)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         with torch.no_grad():
             for i, heads, a, b, _, k, v, mask in _tile_steps(key, value, ev, offset, first, tile_rows, groups,

@@ -103,6 +103,7 @@ from stages.learner.shadow_attention import (
     response_hidden,
     response_hidden_with_teacher,
 )
+from stages.learner.shared_prompt import shared_prompt_hidden
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -165,11 +166,19 @@ def trusted_rows(cfg: LearnerParams, data: LearnerData) -> dict[int, np.ndarray]
 
 # ------------------------------------------------------------------------------------------ scoring
 def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature: float,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict[str, torch.Tensor]:
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shared: bool = False,
+                 block_size: int = 128) -> dict[str, torch.Tensor]:
     """Scores of the sampled response tokens (`chunked_token_scores`: logp [B, R] at `temperature` and entropy
-    [B, R], 0 at padding), shadow-masked when `masked`, else dense; never [B, R, V] logits at once."""
-    hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens,
-                                             mb.resp_lens, backend, **(mb.forward_extra() if masked else {}))
+    [B, R], 0 at padding), shadow-masked when `masked`, else dense; never [B, R, V] logits at once. `shared`:
+    each run of rows with one prompt forwards it once (`shared_prompt_hidden`; `mb` then carries no block
+    masks: they are built per run)."""
+    if shared:
+        hidden, _, targets, valid = shared_prompt_hidden(model, mb.input_ids, mb.evict_at if masked else None,
+                                                         mb.prompt_lens, mb.resp_lens, backend, block_size)
+    else:
+        hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None,
+                                                 mb.prompt_lens, mb.resp_lens, backend,
+                                                 **(mb.forward_extra() if masked else {}))
     return chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
                                 chunk_tokens=chunk_tokens)
 
@@ -180,17 +189,46 @@ def length_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[i
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
+def group_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[int]]:
+    """Micro-batches of `size` rows that hold whole GRPO groups, or parts of one (`learner.shared_prompt`): the
+    groups longest first, each group's rows adjacent (longest first), then cut every `size` rows; deterministic."""
+    longest: dict[int, int] = {}
+    for r in rows:
+        g = int(data.groups[r])
+        longest[g] = max(longest.get(g, 0), data.length(r))
+    ordered = sorted(rows, key=lambda r: (-longest[int(data.groups[r])], int(data.groups[r]), -data.length(r), r))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def micro_batches(data: LearnerData, rows: list[int], size: int, shared: bool) -> list[list[int]]:
+    """This process's micro-batches of `rows`: by group with shared prompts, else by length."""
+    return group_grouped(data, rows, size) if shared else length_grouped(data, rows, size)
+
+
+def process_rows(data: LearnerData, rows: list[int], rank: int, world: int, shared: bool) -> list[int]:
+    """The rows of `rows` process `rank` of `world` takes: round-robin rows, or with shared prompts round-robin
+    whole groups (in group order), so that a group's prompt is forwarded by one process."""
+    if not shared or world == 1:
+        return rows[rank::world]
+    groups = sorted({int(data.groups[r]) for r in rows})
+    mine = set(groups[rank::world])
+    return [r for r in rows if int(data.groups[r]) in mine]
+
+
 @torch.no_grad()
 def score_rows(model, data: LearnerData, rows: list[int], *, masked: bool, temperature: float,
                micro_batch_size: int, backend: str = "sdpa", block_size: int = 128,
-               device: torch.device | str = "cpu", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict[int, np.ndarray]:
+               device: torch.device | str = "cpu", chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+               shared: bool = False) -> dict[int, np.ndarray]:
     """Learner log-probs of every response token of `rows`, micro-batched and right-padded as in training
-    (shadow-masked when `masked`, else dense). Returns {row: float32 [R_row]}."""
+    (shadow-masked when `masked`, else dense; `shared`: a group's prompt forwarded once per micro-batch).
+    Returns {row: float32 [R_row]}."""
     num_q = model.config.num_attention_heads
     out: dict[int, np.ndarray] = {}
-    for chunk in length_grouped(data, rows, micro_batch_size):
-        mb = build_micro_batch(data, chunk, masked, backend, block_size, num_q, device=device)
-        logp = forward_logp(model, mb, masked, backend, temperature, chunk_tokens)["logp"].float().cpu()
+    for chunk in micro_batches(data, rows, micro_batch_size, shared):
+        mb = build_micro_batch(data, chunk, masked, "sdpa" if shared else backend, block_size, num_q, device=device)
+        logp = forward_logp(model, mb, masked, backend, temperature, chunk_tokens, shared,
+                            block_size)["logp"].float().cpu()
         for b, r in enumerate(chunk):
             out[r] = logp[b, : mb.resp_lens[b]].numpy().copy()
     return out
@@ -237,10 +275,15 @@ def make_plan(data: LearnerData, cfg: LearnerParams, ctx: DistContext, seed: int
         for part in np.array_split(order, cfg.updates_per_epoch):
             if len(part):
                 minis.append((epoch, sorted(int(r) for r in part)))
-    grad_accum = max(math.ceil(math.ceil(len(rows) / ctx.world) / cfg.micro_batch_size) for _, rows in minis)
+    shared = cfg.shared_prompt
+    # the most micro-batches any process has in any mini-batch (every process runs that many per step)
+    grad_accum = max(len(micro_batches(data, process_rows(data, rows, rank, ctx.world, shared), cfg.micro_batch_size,
+                                       shared)) for _, rows in minis for rank in range(ctx.world))
+    grad_accum = max(grad_accum, 1)
     steps = []
     for epoch, rows in minis:
-        mine = length_grouped(data, rows[ctx.rank :: ctx.world], cfg.micro_batch_size)
+        mine = micro_batches(data, process_rows(data, rows, ctx.rank, ctx.world, shared), cfg.micro_batch_size,
+                             shared)
         # Fillers run a real forward/backward (of rows this process already has, weight 0): ZeRO-2 reduces
         # gradient buckets in autograd-hook order, which must be the same on every process.
         filler = mine[-1] if mine else rows[:1]
@@ -516,9 +559,9 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     t0 = time.perf_counter()
     score = dict(masked=run.masked, temperature=run.temperature, micro_batch_size=cfg.micro_batch_size,
                  backend=cfg.attention_backend, block_size=cfg.flex_block_size, device=ctx.device,
-                 chunk_tokens=cfg.logit_chunk_tokens)
+                 chunk_tokens=cfg.logit_chunk_tokens, shared=cfg.shared_prompt)
     all_rows = list(range(len(data)))
-    my_rows = all_rows[ctx.rank :: ctx.world]
+    my_rows = process_rows(data, all_rows, ctx.rank, ctx.world, cfg.shared_prompt)
     old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
     ref = None
     if run.ref_model is not None:
@@ -570,27 +613,40 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     micro-batch, policy log-probs, dense-teacher log-probs or None, per-token entropy)."""
     cfg, masked, temperature, module = run.cfg, run.masked, run.temperature, run.module
     backend = cfg.attention_backend
-    # (with the teacher, block masks are built for the shared-prefix split inside the forward)
+    # (with the teacher or shared prompts, block masks are built for the prefix split inside the forward)
     shared_teacher = run.teacher and run.teacher_model is None
-    mb = build_micro_batch(run.data, rows, masked, "sdpa" if shared_teacher else backend, cfg.flex_block_size,
-                           module.config.num_attention_heads, device=run.ctx.device)
+    shared = cfg.shared_prompt
+    mb = build_micro_batch(run.data, rows, masked, "sdpa" if shared_teacher or shared else backend,
+                           cfg.flex_block_size, module.config.num_attention_heads, device=run.ctx.device)
     with checkpointed_layers(module) if cfg.gradient_checkpointing else contextlib.nullcontext():
         if run.teacher and not shared_teacher:  # a frozen teacher model: its own dense pass, then the masked policy
             with torch.no_grad():
-                teacher_hidden, _, _ = response_hidden(run.teacher_model, mb.input_ids, None, mb.prompt_lens,
-                                                       mb.resp_lens)
-            hidden, targets, valid = response_hidden(module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens,
-                                                     backend, **mb.forward_extra())
+                if shared:
+                    teacher_hidden, _, _, _ = shared_prompt_hidden(run.teacher_model, mb.input_ids, None,
+                                                                   mb.prompt_lens, mb.resp_lens)
+                else:
+                    teacher_hidden, _, _ = response_hidden(run.teacher_model, mb.input_ids, None, mb.prompt_lens,
+                                                           mb.resp_lens)
+            if shared:
+                hidden, _, targets, valid = shared_prompt_hidden(module, mb.input_ids, mb.evict_at, mb.prompt_lens,
+                                                                 mb.resp_lens, backend, cfg.flex_block_size)
+            else:
+                hidden, targets, valid = response_hidden(module, mb.input_ids, mb.evict_at, mb.prompt_lens,
+                                                         mb.resp_lens, backend, **mb.forward_extra())
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
                                           chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
                                           teacher_head=lm_head_of(run.teacher_model))
         elif run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
-            hidden, teacher_hidden, targets, valid = response_hidden_with_teacher(
-                module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size)
+            forward = shared_prompt_hidden if shared else response_hidden_with_teacher
+            kwargs = {"teacher": True} if shared else {}
+            hidden, teacher_hidden, targets, valid = forward(
+                module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size,
+                **kwargs)
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
                                           chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
         else:
-            scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens)
+            scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens, shared,
+                                  cfg.flex_block_size)
     # the teacher's log-probs are the current dense policy's only when it is the teacher (dense_mismatch/* metrics)
     logp, dense_logp = scores["logp"], scores.get("teacher_logp") if shared_teacher else None
     if run.teacher:  # the tokens the teacher KL applies to (learner.kl_tokens; every valid one for `all`)

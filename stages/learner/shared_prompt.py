@@ -1,0 +1,159 @@
+"""A group's prompt, computed once in the learner (docs/design.md §3c, "Shared prompts").
+
+GRPO samples G responses per prompt; the per-sample learner forwards every sample's prompt again. A shadow mask
+never restricts a prompt token's queries (eviction starts after the prefill: every prompt key has
+evict_at >= P), so a prompt's hidden states, keys and values are the same in every sample of its group, in the
+shadow-masked pass and in the dense teacher's pass. Here each run of micro-batch rows with the same prompt
+(a group, or part of one) forwards that prompt once, batch 1, into a KV cache with gradient; the cache is
+expanded (a view, no copy) to the run's G rows, and the G responses run on top of it, each under its own
+shadow mask (or densely). Autograd sums the G rows' gradients into the one prompt forward, so the prompt's
+gradient accumulates once and equals the sum of the per-sample computation's (float64 tests to 1e-10,
+tests/test_shared_prompt.py).
+
+The suffix starts at the prompt's last token (s = P - 1, the first position whose output predicts a response
+token) or earlier where a mask evicts inside the prompt, and for FlexAttention at a multiple of its block size
+(its block masks start at a block boundary); the rows [s, P) then run per sample, as few as the block size.
+
+Anchors: Prefix Grouper (arXiv 2506.05433: the shared prefix forwarded once, exact, in verl), Unsloth's
+shared-prefix FlexAttention path (P + G R tokens instead of G (P + R)); neither replays eviction masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from stages.common.model import attention_implementation
+from stages.learner.shadow_attention import (
+    SHADOW_SUFFIX_ATTENTION,
+    decoder_of,
+    gather_response,
+    layer_checkpointing_enabled,
+    response_hidden,
+    response_hidden_with_teacher,
+)
+
+
+def prompt_runs(input_ids: torch.Tensor, prompt_lens: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive rows of a right-padded batch that have the same prompt tokens
+    (rows of one GRPO group are adjacent in the learner's micro-batches); a prompt seen again after another
+    starts a new run."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for b in range(1, len(prompt_lens) + 1):
+        if b == len(prompt_lens) or prompt_lens[b] != prompt_lens[start] or not torch.equal(
+                input_ids[b, : prompt_lens[b]], input_ids[start, : prompt_lens[start]]):
+            runs.append((start, b))
+            start = b
+    return runs
+
+
+def shared_prefix_rows(prompt_len: int, evict_at: torch.Tensor | None, align: int = 1) -> int:
+    """Rows [0, s) that every sample of a run computes identically and that no loss position needs: before the
+    prompt's last token (s <= P - 1) and before any eviction of the run's masks ([L, G, H, T]: a key evicted at
+    q hides it from query q on, so rows before min(evict_at) see their whole causal prefix); a multiple of
+    `align` (FlexAttention's block size)."""
+    s = prompt_len - 1
+    if evict_at is not None:
+        s = min(s, int(evict_at.min()))
+    return max(s // align * align, 0)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """[G, R_run, ...] -> [G, rows, ...] zero-padded along dim 1."""
+    extra = rows - x.shape[1]
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 2) + [0, extra]
+    return F.pad(x, pad)
+
+
+def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_len: int, resp_lens: list[int],
+                backend: str, block_size: int, teacher: bool):
+    """One run (rows sharing a prompt): (policy hidden [G, R_run, D], dense teacher hidden or None, targets,
+    valid). Masked when `evict_at` ([L, G, H, T_run]) is given, dense otherwise; `teacher`: also the dense pass
+    of the same weights under no_grad (smd's teacher), on the same prompt cache."""
+    G, T = ids.shape
+    prompt_lens = [prompt_len] * G
+    align = block_size if evict_at is not None and backend == "flex" else 1
+    s = shared_prefix_rows(prompt_len, evict_at, align)
+    if s == 0:  # nothing to share (a one-token prompt, or flex with a prompt shorter than a block)
+        if teacher:
+            return response_hidden_with_teacher(model, ids, evict_at, prompt_lens, resp_lens, backend, block_size)
+        extra = {}
+        if evict_at is not None and backend == "flex":
+            from stages.learner.flex_backend import build_block_masks
+
+            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
+        hidden, targets, valid = response_hidden(model, ids, evict_at, prompt_lens, resp_lens, backend, **extra)
+        return hidden, None, targets, valid
+    decoder = decoder_of(model)
+    device = ids.device
+    cache = DynamicCache(config=model.config)
+    decoder(input_ids=ids[:1, :s], position_ids=torch.arange(s, device=device).unsqueeze(0), past_key_values=cache,
+            use_cache=True)
+    # the one prompt forward's keys and values, seen by every row of the run (expand: a view; its gradient sums)
+    prompt_kv = [(layer.keys.expand(G, -1, -1, -1), layer.values.expand(G, -1, -1, -1)) for layer in cache.layers]
+    suffix = ids[:, s:]
+    suffix_pos = torch.arange(s, T, device=device).unsqueeze(0).expand(G, T - s)
+    dense = None
+    if teacher:
+        with torch.no_grad():
+            teacher_cache = DynamicCache([(k.detach(), v.detach()) for k, v in prompt_kv], config=model.config)
+            dense = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache,
+                            use_cache=True).last_hidden_state
+    run_cache = DynamicCache(prompt_kv, config=model.config)
+    if evict_at is None:
+        hidden = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=run_cache,
+                         use_cache=True).last_hidden_state
+    else:
+        extra = {}
+        if backend == "flex":
+            from stages.learner.flex_backend import build_block_masks
+
+            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size,
+                                                         prefix=s)
+        with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+            hidden = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=run_cache, use_cache=True,
+                             smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
+    start = prompt_len - 1  # hidden row start - s predicts the first response token
+    kept = (hidden[:, start - s:],) if dense is None else (hidden[:, start - s:], dense[:, start - s:])
+    gathered, targets, valid = gather_response(kept, ids, prompt_lens, resp_lens, start)
+    return gathered[0], (gathered[1] if dense is not None else None), targets, valid
+
+
+def shared_prompt_hidden(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
+                         resp_lens: list[int], backend: str = "sdpa", block_size: int = 128,
+                         teacher: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """`response_hidden` (teacher False) / `response_hidden_with_teacher` (teacher True) of a right-padded
+    micro-batch, each run of rows with the same prompt forwarding that prompt once (module docstring).
+
+    input_ids [B, T], evict_at [L, B, H, T] (None: the dense forward) -> (policy hidden [B, R, D], the dense
+    teacher's hidden [B, R, D] detached or None, targets [B, R], valid [B, R]), R = max(resp_lens). With layer
+    checkpointing on the per-sample forwards run instead (a checkpointed layer cannot write the prompt's cache:
+    its recomputation would write it again)."""
+    if layer_checkpointing_enabled(model):
+        if teacher:
+            return response_hidden_with_teacher(model, input_ids, evict_at, prompt_lens, resp_lens, backend,
+                                                block_size)
+        extra = {}
+        if evict_at is not None and backend == "flex":
+            from stages.learner.flex_backend import build_block_masks
+
+            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
+        hidden, targets, valid = response_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, **extra)
+        return hidden, None, targets, valid
+    R = max(max(resp_lens), 1)
+    parts = []
+    for a, e in prompt_runs(input_ids, prompt_lens):
+        T_run = prompt_lens[a] + max(max(resp_lens[a:e]), 1)
+        T_run = min(T_run, input_ids.shape[1])
+        ev = evict_at[:, a:e, :, :T_run] if evict_at is not None else None
+        parts.append(_run_hidden(model, input_ids[a:e, :T_run], ev, prompt_lens[a], resp_lens[a:e], backend,
+                                 block_size, teacher))
+    hidden = torch.cat([_pad_rows(p[0], R) for p in parts])
+    dense = torch.cat([_pad_rows(p[1], R) for p in parts]) if teacher else None
+    targets = torch.cat([_pad_rows(p[2], R) for p in parts])
+    valid = torch.cat([_pad_rows(p[3], R) for p in parts])
+    return hidden, dense, targets, valid

@@ -1,0 +1,240 @@
+"""A group's prompt, computed once (docs/design.md §3c): the learner's shared-prompt forward equals the per-sample
+forward (float64: hidden states, the dense teacher's, the loss and every parameter's gradient to 1e-10 relative)
+for every eviction policy, backend and forward mode, with padding and groups split across micro-batches; through
+the whole learner (float32) the shared and per-sample runs agree within float32 rounding and the parity gate
+holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from schemas.params.rollout import POLICIES, EvictionParams
+from stages.common.kvcache.sampler import generate_batch
+from stages.common.model import load_policy
+from stages.learner.data import load_learner_data
+from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
+from stages.learner.shared_prompt import prompt_runs, shared_prefix_rows, shared_prompt_hidden
+from stages.learner.train import group_grouped, process_rows, run_learner
+from tests.helpers import (
+    make_iteration,
+    make_model_dir,
+    make_params,
+    make_prompts,
+    model_chain,
+    params_of,
+    random_prompts,
+    replay_batch,
+    requires_cpu_flex,
+    within_float32_bound,
+)
+
+REL = 1e-10  # float64: the two computations differ only in summation order
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("shared"), "gqa")
+
+
+def grouped_rollout(model_dir, policy: str, seed: int = 0):
+    """Rows of three groups (3, 2 and 1 samples) with prompts of three lengths (right padding in the learner's
+    batch), sampled by the evicting engine: (ids [B, T], evict_at [L, B, H, T], prompt_lens, resp_lens)."""
+    model = load_policy(model_dir)
+    a, b, c = random_prompts([30, 23, 17], seed=seed + 3)
+    prompts = [a, a, a, b, b, c]
+    eviction = EvictionParams(policy=policy, keep_ratio=0.5, window=4, sinks=2)
+    results, _ = generate_batch(model, prompts, eviction, 10, None, 0, 1.0, torch.Generator().manual_seed(seed))
+    ids, evict_at, _ = replay_batch(prompts, results)
+    return ids, evict_at, [len(p) for p in prompts], [len(r.response_ids) for r in results]
+
+
+def float64_model(model_dir):
+    """The policy computed in float64 throughout. transformers computes RMSNorm and RoPE's cos/sin in float32
+    whatever the model's dtype: an RMSNorm's backward then rounds its incoming gradient to float32, once for the
+    sum of a group's rows in the shared forward and once per row in the per-sample one (a 1e-9 relative gap that
+    is rounding, not the algorithm), and the vectorized and scalar cos of one position may differ by an ulp with
+    the tensor's shape. Both run in float64 here."""
+    model = load_policy(model_dir).double()
+    for module in model.modules():
+        if hasattr(module, "variance_epsilon"):  # transformers' RMSNorm (Qwen3, Llama): x / rms(x) * weight
+            def rms_norm_float64(x, m=module):
+                return m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+
+            module.forward = rms_norm_float64
+    rotary = model.model.rotary_emb
+
+    def rope_float64(x, position_ids):
+        freqs = position_ids[..., None].double() * rotary.inv_freq.double()[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
+
+    rotary.forward = rope_float64
+    return model
+
+
+def float64_scores(model, hidden, teacher, targets, valid, temperature: float = 0.8):
+    """Per token log-prob and teacher KL in float64 from the lm head (the learner's chunked scoring rounds its
+    logits to float32; the exactness of the shared forward is checked here in float64)."""
+    head = model.get_output_embeddings()
+    logq = torch.log_softmax(head(hidden) / temperature, dim=-1)
+    logp = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * valid
+    kl = None
+    if teacher is not None:
+        logt = torch.log_softmax(head(teacher.detach()) / temperature, dim=-1)
+        kl = (logt.exp() * (logt - logq)).sum(-1) * valid
+    return logp, kl
+
+
+def loss_and_grads(model, forward, ids, evict_at, prompt_lens, resp_lens, weights, mode: str, backend: str):
+    """A GRPO-shaped loss (weighted log-probs, plus the weighted teacher KL in the teacher modes) of one forward
+    and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    ev = None if mode == "dense" else evict_at
+    if forward == "shared":
+        hidden, teacher, targets, valid = shared_prompt_hidden(model, ids, ev, prompt_lens, resp_lens, backend, 16,
+                                                               teacher=mode == "teacher")
+    elif mode == "teacher":
+        hidden, teacher, targets, valid = response_hidden_with_teacher(model, ids, ev, prompt_lens, resp_lens,
+                                                                       backend, 16)
+    else:
+        hidden, targets, valid = response_hidden(model, ids, ev, prompt_lens, resp_lens, backend)
+        teacher = None
+    logp, kl = float64_scores(model, hidden, teacher, targets, valid)
+    loss = (logp * weights[:, : logp.shape[1]]).sum()
+    if kl is not None:
+        loss = loss + 0.1 * kl.sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), hidden.detach(), None if teacher is None else teacher.detach(), grads
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = max(float(want.abs().max()), 1e-30)
+    err = float((got - want).abs().max())
+    assert err <= REL * scale, f"{what}: max |diff| {err:.3g} > {REL:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", ["masked", "teacher", "dense"])
+def test_shared_forward_equals_per_sample_float64(model_dir, policy, mode):
+    """Loss, hidden states (policy and dense teacher) and every parameter's gradient of the shared-prompt forward
+    equal the per-sample forward's in float64, for every eviction policy's real rollout masks, with right padding
+    (three prompt lengths) and groups of 3, 2 and 1 rows."""
+    ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, policy)
+    if policy != "dense":
+        assert bool((evict_at[:, :, :, :17] < 30 + 10).any())  # the masks evict prompt keys
+    model = float64_model(model_dir)
+    weights = torch.randn(len(prompt_lens), 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = loss_and_grads(model, "per_sample", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa")
+    got = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa")
+    assert_close(got[0], want[0], "loss")
+    assert_close(got[1], want[1], "policy hidden")
+    if mode == "teacher":
+        assert_close(got[2], want[2], "teacher hidden")
+    assert want[3].keys() == got[3].keys()
+    for name in want[3]:
+        assert_close(got[3][name], want[3][name], f"grad {name}")
+
+
+@pytest.mark.parametrize("mode", ["masked", "teacher"])
+def test_shared_forward_tiled_float64(model_dir, mode):
+    """The tiled backend replays the mask on the shared prompt's cache as the sdpa reference does on the
+    per-sample forward (float64)."""
+    ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "h2o", seed=2)
+    model = float64_model(model_dir)
+    weights = torch.randn(len(prompt_lens), 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want = loss_and_grads(model, "per_sample", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa")
+    got = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "tiled")
+    assert_close(got[0], want[0], "loss")
+    for name in want[3]:
+        assert_close(got[3][name], want[3][name], f"grad {name}")
+
+
+@requires_cpu_flex
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["masked", "teacher"])
+def test_shared_forward_flex_float32(model_dir, mode):
+    """FlexAttention (float32 only on the CPU) on the shared prompt's cache, shared up to a block boundary (16
+    here: the rest of the prompt runs per sample), against the per-sample sdpa reference in float32: the loss and
+    every gradient within the float32 bound of the model's reduction chain."""
+    ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "h2o", seed=2)
+    model = load_policy(model_dir)
+    weights = torch.randn(len(prompt_lens), 16, generator=torch.Generator().manual_seed(2))
+    want = loss_and_grads(model, "per_sample", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa")
+    got = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "flex")
+    chain = model_chain(model.config, ids.shape[1]) + ids.numel()
+    assert within_float32_bound(got[0], want[0], chain)
+    for name in want[3]:
+        assert within_float32_bound(got[3][name], want[3][name], chain), name
+
+
+def test_prompt_runs_and_prefix_rows():
+    """Runs are maximal stretches of adjacent rows with equal prompt tokens (padding and responses ignored); the
+    shared rows stop at the prompt's last token, at the first eviction, and at a block boundary."""
+    ids = torch.tensor([[5, 6, 7, 1, 0], [5, 6, 7, 2, 3], [5, 6, 8, 1, 0], [5, 6, 7, 4, 0], [5, 6, 7, 9, 9]])
+    assert prompt_runs(ids, [3, 3, 3, 3, 3]) == [(0, 2), (2, 3), (3, 5)]
+    assert prompt_runs(ids, [3, 3, 3, 2, 2]) == [(0, 2), (2, 3), (3, 5)]
+    assert prompt_runs(ids[:1], [3]) == [(0, 1)]
+    ev = torch.full((2, 3, 1, 12), 12)
+    assert shared_prefix_rows(10, ev) == 9
+    ev[1, 2, 0, 4] = 6  # evicted while the prompt is still running: rows from 6 on differ per sample
+    assert shared_prefix_rows(10, ev) == 6
+    assert shared_prefix_rows(10, ev, align=4) == 4
+    assert shared_prefix_rows(10, None, align=4) == 8
+    assert shared_prefix_rows(1, None) == 0
+
+
+# ------------------------------------------------------------------------------------------ through the learner
+@pytest.fixture(scope="module")
+def iteration(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("shared-learner")
+    prompts = make_prompts(root, lengths=(30, 45, 38))
+    params = make_params(**{"rollout.group_size": 4, "rollout.batch_size": 12, "rollout.max_new_tokens": 8,
+                            "learner.micro_batch_size": 3})
+    traj, masks = make_iteration(root, model_dir, prompts, params)
+    return root, params, traj, masks
+
+
+def test_micro_batches_hold_groups(iteration):
+    """With shared prompts a micro-batch holds whole groups or parts of one, each group's rows adjacent; processes
+    take whole groups; every row is scheduled once."""
+    _, params, traj, masks = iteration
+    data = load_learner_data(params.learner, traj, masks, 2, 2, need_masks=True)
+    rows = list(range(len(data)))
+    micro = group_grouped(data, rows, 3)
+    assert sorted(r for m in micro for r in m) == rows
+    order = [int(data.groups[r]) for m in micro for r in m]
+    assert order == sorted(order, key=order.index)  # groups contiguous in the schedule
+    assert any(len({int(data.groups[r]) for r in m}) == 2 for m in micro)  # a group split across micro-batches
+    parts = [process_rows(data, rows, rank, 2, True) for rank in range(2)]
+    assert sorted(parts[0] + parts[1]) == rows
+    assert not {int(data.groups[r]) for r in parts[0]} & {int(data.groups[r]) for r in parts[1]}
+
+
+@pytest.mark.parametrize("objective", ["smd", "naive", "sparse_rl"])
+def test_learner_shared_equals_per_sample(tmp_path, model_dir, iteration, objective):
+    """One learn call with shared prompts and one without (groups of 4 split by micro-batches of 3): the same
+    parity (within the gate), the same loss terms and the same new weights within float32 rounding."""
+    _, params, traj, masks = iteration
+    out = {}
+    for shared in (True, False):
+        p = params.model_copy(deep=True)
+        p.learner = p.learner.model_copy(update={"objective": objective, "shared_prompt": shared})
+        res = run_learner(p, 1, model_dir, traj, masks, tmp_path / f"policy-{shared}")
+        out[shared] = (json.loads(res["details"].read_text()), params_of(res["policy"]))
+    (m_shared, w_shared), (m_per, w_per) = out[True], out[False]
+    if objective == "smd":  # the shadow-masked learner reproduces the sampler (the dense ones do not, by design)
+        assert m_shared["mismatch/logprob_abs_diff_max"] <= 1e-5
+    for key in ("loss/total", "loss/pg", "policy/entropy", "mismatch/logprob_abs_diff_max"):
+        if key in m_per:
+            assert abs(m_shared[key] - m_per[key]) <= 1e-5 * max(1.0, abs(m_per[key])), key
+    # Adam's first step is ~lr x sign(g): where |g| is near Adam's eps a float32 rounding of g moves a weight by a
+    # visible part of lr, so the runs are compared by the norm of the whole update, not weight by weight
+    base = params_of(model_dir)
+    moved = sum(float((w_per[k] - base[k]).double().pow(2).sum()) for k in base) ** 0.5
+    diff = sum(float((w_shared[k] - w_per[k]).double().pow(2).sum()) for k in base) ** 0.5
+    assert moved > 1e-3  # the step moved the weights (lr 1e-3) ...
+    assert diff <= 1e-3 * moved, (diff, moved)  # ... and both runs moved them the same way
