@@ -6,7 +6,6 @@ written (slow)."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 from schemas.errors import SmdInputError
 from schemas.tables import read_table, table_config, write_table
+from scripts.readme_commands import command
 from stages.common.scoring import check_reward_record, reward_file_digests
 from stages.rollout.stage import run_rollout
 from tests.helpers import ROOT, make_model_dir, make_params, random_prompts, subprocess_env
@@ -112,25 +112,32 @@ def test_a_changed_reward_file_stops_a_resumed_run(tmp_path):
         check_reward_record(other.reward, tmp_path / "reward_files.json")
 
 
-def readme_example() -> str:
-    """The README's worked example (section "Your data, your reward"), as a shell script."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Your data, your reward", 1)[1]
-    block = re.search(r"\n\n((?:    .*\n)+)", section[section.index("The worked example"):]).group(1)
-    return "\n".join(line[4:] for line in block.splitlines())
+def repo_copy(root: Path) -> Path:
+    """The repository's tracked files (the committed params.yaml among them) copied under `root`: a README block
+    runs there as from the repository root."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / name, root / name)
+    return root
+
+
+def as_test_venv(script: str) -> str:
+    """A README block with `.venv/bin/` pointing at the interpreter running the tests."""
+    return script.replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
 
 
 @pytest.mark.slow
 def test_the_readme_example_runs_end_to_end(tmp_path):
-    script = readme_example()
+    script = command("your_data")  # the README's block, as written (scripts/readme_commands.py)
     assert "smdctl chain" in script and "docs/examples/your_data/rewards.py" in script
-    shutil.copytree(ROOT / "docs" / "examples", tmp_path / "docs" / "examples")
-    (tmp_path / "params.yaml").write_text("")
-    script = script.replace(".venv/bin/smdctl", str(Path(sys.executable).parent / "smdctl"))
-    proc = subprocess.run(["bash", "-euc", script], cwd=tmp_path, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=900)
+    root = repo_copy(tmp_path / "repo")
+    assert (root / "params.yaml").read_text() == (ROOT / "params.yaml").read_text()
+    proc = subprocess.run(["bash", "-euc", as_test_venv(script)], cwd=root, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "runs" / "your_data" / "run" / "artifacts" / "iter-001"
+    run = root / "runs" / "your_data" / "run" / "artifacts" / "iter-001"
     trajectories = pd.read_feather(run / "rollout" / "trajectories.arrow")
     assert len(trajectories) == 16 and (trajectories.task == "dataset").all()
     for row in trajectories.itertuples():
@@ -153,3 +160,45 @@ def test_bench_reward_prints_the_side_by_side_table():
     assert results[1]["rewards"] == results[2]["rewards"] and len(results[1]["rewards"]) == 4
     assert lines[-1] == "rewards identical across worker counts: True"
     assert any(line.startswith("1 ms reward, workers 2") and line.endswith("x") for line in lines)
+
+
+CHAIN_SETS = ["rollout.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=3",
+              "rollout.batch_size=4", "rollout.eviction.window=4", "rollout.eviction.sinks=2",
+              "learner.micro_batch_size=4", "evaluate.max_new_tokens=3", "evaluate.batch_size=4"]
+
+
+def test_a_failed_first_start_is_retried_after_the_fix(model_dir, tmp_path, monkeypatch):
+    """A chain whose reward file has a syntax error stops before writing anything; one whose reward raises on a
+    row stops in iteration 1's rollout; after the fix, the same command runs (no clean-up by hand)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.helpers import empty_params, write_prompt_splits
+
+    monkeypatch.chdir(tmp_path)
+    data = write_prompt_splits(tmp_path / "data")
+    rewards = tmp_path / "rewards.py"
+    run = tmp_path / "run"
+    args = ["chain", "--run-dir", str(run), "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir),
+            "--data", str(data), "--iterations", "1", "-S", f"reward.function={rewards}:compute_score",
+            *[x for s in CHAIN_SETS for x in ("-S", s)]]
+    rewards.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None)\n    return 1.0\n")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "SyntaxError" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not run.exists()  # left as it was found
+    rewards.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    raise ValueError('not yet')\n")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "raised on row" in res.output and "not yet" in res.output
+    assert (run / "reward_files.json").is_file() and not list(run.glob("artifacts/iter-*/rollout"))
+    rewards.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    return float(len(solution_str) % 2)\n")
+    res = CliRunner().invoke(app, args)  # the fixed file, the same command
+    assert res.exit_code == 0, res.output
+    table = pd.read_feather(run / "artifacts" / "iter-001" / "rollout" / "trajectories.arrow")
+    assert [json.loads(t)["compute_score"] for t in table.reward_terms] == [float(len(s) % 2) for s in
+                                                                            table.response_text]
+    # once an iteration has scored, a changed file is refused as before
+    rewards.write_text(rewards.read_text() + "# edited\n")
+    res = CliRunner().invoke(app, [*args, "--iterations", "2"])
+    assert res.exit_code == 2 and "the file changed since this run started" in res.output

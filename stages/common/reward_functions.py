@@ -245,9 +245,24 @@ def _accepted(joiner: str) -> str:
     return f"verl's {VERL_SIGNATURE} {joiner} TRL's {TRL_SIGNATURE}"
 
 
-def _load_callable(path: Path, attr: str, label: str) -> Callable:
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be a reward file (one wording for every command that reads one), or None."""
+    if path.is_dir():
+        return f"{path} is a directory, not a Python file"
     if not path.is_file():
-        raise _fail(label, f"no such file {path}")
+        return f"no such file {path}"
+    return None
+
+
+def source_label(source: str) -> str:
+    """FILE:FUNCTION of a `reward.function` entry (verl's default name when it has none), for error lines."""
+    return source if ":" in source else f"{source}:{VERL_DEFAULT_NAME}"
+
+
+def _load_callable(path: Path, attr: str, label: str) -> Callable:
+    problem = file_problem(path)
+    if problem:
+        raise _fail(label, problem)
     module = _load_module(path, label)
     if not hasattr(module, attr):
         defined = sorted(
@@ -317,8 +332,9 @@ def _materialize(spec: RewardFunctionSpec) -> Callable:
             _math_verify_version()
             return math_verify_reward if spec.attr == BUILTIN_MATH_VERIFY else math_verify_verl_reward
         raise _fail(spec.label, "unknown built-in")
-    if not spec.path.is_file():
-        raise _fail(spec.label, f"no such file {spec.path}")
+    problem = file_problem(spec.path)
+    if problem:
+        raise _fail(spec.label, problem)
     digest = file_sha256(spec.path)
     if digest != spec.digest:
         raise _fail(spec.label, f"{spec.path.name} changed since it was loaded ({spec.digest[:19]} -> {digest[:19]})")

@@ -149,12 +149,15 @@ def reward_file_digests(reward: RewardParams, base_dir: Path | None = None) -> d
     """`sha256:<hex>` of the bytes of each user file `reward.function` names (built-ins have none), relative paths
     taken from `base_dir` (default: the working directory); one line for a file that is missing."""
     from schemas.errors import SmdInputError
+    from stages.common.reward_functions import file_problem, source_label
 
     out = {}
     for name in reward.files():
         path = Path(name) if base_dir is None or Path(name).is_absolute() else Path(base_dir) / name
-        if not path.is_file():
-            raise SmdInputError(f"{path}: reward.function: no such file")
+        problem = file_problem(path.resolve())
+        if problem:  # the line load_reward_functions gives for the first function from this file
+            source = next(s for s in reward.function if (s.rpartition(":")[0] or s) == name)
+            raise SmdInputError(f"reward.function: {source_label(source)}: {problem}")
         out[name] = file_sha256(path)
     return out
 
@@ -179,13 +182,14 @@ def write_reward_record(reward: RewardParams, out: Path) -> Path:
     return out
 
 
-def check_reward_record(reward: RewardParams, recorded: Path) -> None:
+def check_reward_record(reward: RewardParams, recorded: Path, started: bool = True) -> None:
     """A resumed run scores as it started: one line when a reward file or function changed since `recorded` was
-    written (`smdctl chain` / `compare`); writes it on a run's first start."""
+    written (`smdctl chain` / `compare`); writes it on a run's first start, and again while the run has not
+    `started` (no iteration scored yet: a first start that failed is retried with the reward as it is now)."""
     from schemas.errors import SmdInputError
 
     now = reward_record(reward)
-    if not Path(recorded).is_file():
+    if not Path(recorded).is_file() or not started:
         write_reward_record(reward, recorded)
         return
     try:

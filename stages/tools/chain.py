@@ -31,23 +31,31 @@ REWARD_RECORD = "reward_files.json"  # under the run directory: what the run's s
 
 def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: Path, eval_every: int = 1) -> RunLayout:
     """Run iterations 1..`iterations` under `run_dir` (resuming after the last complete one); return its layout.
-    A resumed run whose reward functions or reward files changed is refused (`run_dir/reward_files.json`).
+    A resumed run whose reward functions or reward files changed is refused (`run_dir/reward_files.json`); a
+    reward file that does not load fails before anything is written, and a start that failed before any rollout
+    (a reward that raised on a row, ...) is retried after the fix as a first start.
 
     The warm start's metrics are copied in as iteration 0 of summary and report; `run_dir/params.yaml` holds the
     effective params (what `smdctl report` labels the run by). Evaluation runs every `eval_every` iterations and
     at the last. With the warm start's metrics at hand, the run's headline (`artifacts/metrics.json`) follows the
     last iteration."""
+    from stages.common.scoring import check_reward_record, reward_file_digests
+
+    if p.reward.function:  # a reward file that cannot load fails before anything is written (issue 41)
+        from stages.common.reward_functions import load_reward_functions
+
+        reward_file_digests(p.reward)
+        load_reward_functions(p.reward.function)
     run = RunLayout(run_dir / "artifacts")
+    # a resumed run scores as it started: the reward functions and their files' digests (issue 33); until an
+    # iteration has sampled (a first start that failed), the record is the reward of this start (issue 41)
+    check_reward_record(p.reward, run_dir / REWARD_RECORD, started=has_scores(run))
     run.artifacts.mkdir(parents=True, exist_ok=True)
     for name in (METRICS, DETAILS):
         source = Path(warmstart).parent / name
         if source.is_file() and not (run.warmstart / name).exists():
             run.warmstart.mkdir(exist_ok=True)
             shutil.copyfile(source, run.warmstart / name)
-    from stages.common.scoring import check_reward_record
-
-    # a resumed run scores as it started: the reward functions and their files' digests (issue 33)
-    check_reward_record(p.reward, run_dir / REWARD_RECORD)
     write_params(run_dir / "params.yaml", p)
     for n in range(1, iterations + 1):
         it = run.iteration(n)
@@ -64,6 +72,12 @@ def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: 
 
         run_headline(iterations, run.iteration(iterations).progress, run.warmstart / METRICS, run.headline)
     return run
+
+
+def has_scores(run: RunLayout) -> bool:
+    """Whether an iteration of the run has rollouts (scored with the run's reward): a start that failed before
+    any has none, and its retry takes the reward as it is now."""
+    return any(path.is_dir() for path in run.artifacts.glob("iter-*/rollout"))
 
 
 def write_params(path: Path, p: Params) -> None:
