@@ -31,6 +31,7 @@ def main(
 COMMAND_MODULES = [
     "cli.init_model",
     "cli.convert_model",
+    "cli.merge_lora",
     "cli.prepare",
     "cli.warmstart",
     "cli.rollout",

@@ -32,6 +32,7 @@ from schemas.errors import SmdInputError
 from schemas.layout import PROVENANCE
 from schemas.params.model import DEVICE_CHOICES, DEVICE_PATTERN, ModelParams, TinyModelParams
 from schemas.weights import verify_weights_digest, write_weights_digest
+from stages.common.lora import ADAPTER_CONFIG, is_adapter_checkpoint, load_merged_policy
 from stages.common.vocab import bpe_training_corpus, tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
@@ -277,8 +278,12 @@ def model_device(model) -> torch.device:
 def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
                 device: torch.device | str = "cpu"):
     """Load a causal LM from a Hugging Face directory onto `device` (stages pass
-    `resolve_device(params.model.device)`); one clear line if it is missing or unloadable."""
+    `resolve_device(params.model.device)`); one clear line if it is missing or unloadable. A LoRA checkpoint
+    (`learner.lora`: PEFT's adapter plus the record of its base) loads as its merged weights
+    (`stages.common.lora.load_merged_policy`)."""
     path = Path(path)
+    if is_adapter_checkpoint(path):
+        return load_merged_policy(path, dtype, attn_implementation, device)
     if not (path / "config.json").exists():
         raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
     verify_weights_digest(path)  # a flipped byte in a weight: one line, before the weights are read
@@ -307,8 +312,12 @@ def attention_implementation(model, name: str) -> Iterator:
 
 
 def load_policy_config(path: str | Path):
-    """The policy's model config alone (no weights): what a stage needs when vLLM holds the weights."""
+    """The policy's model config alone (no weights): what a stage needs when vLLM holds the weights. vLLM reads a
+    plain model directory: a LoRA checkpoint is one line (write its merged weights with `smdctl merge-lora`)."""
     path = Path(path)
+    if is_adapter_checkpoint(path):
+        raise SmdInputError(f"{path / ADAPTER_CONFIG}: a LoRA checkpoint; vLLM samples from a plain model "
+                            "directory: use engine hf, or write the merged weights with `smdctl merge-lora`")
     if not (path / "config.json").exists():
         raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
     verify_weights_digest(path)  # the caller's engine (vLLM) reads these weights next: check them first

