@@ -117,6 +117,15 @@ class RolloutParams(BaseModel):
         "only host sync (0 = auto: 1 on the CPU, 8 on a GPU). Steps after every sequence stopped record nothing: "
         "the results do not depend on it.",
     )
+    share_prompt: bool = Field(
+        True, description="Prefill each distinct prompt of a batch once (a group's G samples are adjacent in a "
+        "batch): the model's prompt forward and the eviction policy's prefill selection run once per prompt and "
+        "are copied to its samples (random eviction still draws per sample); decoding, shadow masks and results "
+        "stay per sample. The prefix sharing of vLLM's prefix caching and SGLang's RadixAttention, exact here "
+        "because a shadow mask never restricts a prompt token's queries (docs/design.md, Shared prompts). Same "
+        "tokens and masks as false (the per-sample reference) up to the float rounding of a smaller batch "
+        "(tests/test_shared_prompt_rollout.py).",
+    )
     shard_rows: int = Field(0, ge=0, description="Rows per raw-mask shard (0 = one shard).")
     eviction: EvictionParams = EvictionParams()
     engine: EngineName = Field(

@@ -213,7 +213,7 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
                 generator = torch.Generator().manual_seed(batch_seed(seed, iteration, chunk[0]))
                 results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
                                             generator, stop_check_every=cfg.stop_check_every,
-                                            compile=cfg.compile)
+                                            compile=cfg.compile, share_prompt=cfg.share_prompt)
             else:
                 results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,
                                           [request_seed(seed, iteration, row) for row, _ in rows])

@@ -62,6 +62,13 @@ class RolloutState:
     # Most keys any sequence is over its keep count this step (0: no layer evicts; 1 in decoding), from the
     # schedule on the host instead of a tensor check in every layer.
     step_excess: int = 0
+    # Shared prompts (docs/design.md §3c): the prefill forward runs on the distinct prompts only. `prefill_rows`
+    # [B]: the distinct prompt each row takes its prefill from; `prefill_first` [U]: a row of each distinct
+    # prompt; None: every row prefills its own prompt (no prompt repeats, or rollout.share_prompt false).
+    prefill_rows: torch.Tensor | None = None
+    prefill_first: torch.Tensor | None = None
+    # Left padding of the rows the prefill forward runs ([U] when shared, else prompt_pad).
+    prefill_pad: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -77,13 +84,14 @@ class RolloutState:
 
     def prefill_mask(self, q_start: int, q_end: int, k_end: int) -> torch.Tensor:
         """Bool mask [B or 1, 1, q_end - q_start, k_end] of prompt queries q_start..q_end over keys 0..k_end of
-        the left-padded batch: causal, padding keys hidden, padding queries see themselves (finite softmax)."""
+        the left-padded rows the prefill forward runs (B, or the U distinct prompts when shared): causal,
+        padding keys hidden, padding queries see themselves (finite softmax)."""
         q = torch.arange(q_start, q_end, device=self.device)
         k = torch.arange(k_end, device=self.device)
         causal = k[None, :] <= q[:, None]
         if not self.padded:
             return causal[None, None]
-        real_key = k[None, :] >= self.prompt_pad[:, None]  # [B, K]
+        real_key = k[None, :] >= self.prefill_pad[:, None]  # [B or U, K]
         mask = causal[None] & real_key[:, None, :]
         return (mask | (k[None, :] == q[:, None])[None])[:, None]
 
@@ -102,7 +110,8 @@ class EvictingLayer(CacheLayerMixin):
         self.values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states, value_states):
-        B, H, _, D = key_states.shape
+        _, H, _, D = key_states.shape
+        B = len(self.state.prompt_lens_host)  # every row, also when the prefill ran on the distinct prompts only
         C = self.state.capacity
         self.keys = key_states.new_zeros(B, H, C, D)
         self.values = value_states.new_zeros(B, H, C, D)
@@ -130,13 +139,22 @@ class EvictingLayer(CacheLayerMixin):
         st.policy.on_insert(self.layer_idx, slots, b_idx, h_idx, s_idx)
         return self.keys, self.values
 
-    def finish_prefill(self, keep_idx: torch.Tensor) -> None:
-        """Copy the kept prompt keys (indices into the prompt axis, [B, H, C]) into the slots."""
+    def finish_prefill(self, keep_idx: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Copy the kept prompt keys (indices into the prompt axis, [B or U, H, C]) into the slots.
+
+        `rows` [B]: the prefill ran on U distinct prompts (pending keys [U, H, P, D]) and row b takes prompt
+        rows[b]. A selection per distinct prompt ([U, H, C]) is gathered once, then copied to its rows; a
+        selection per row ([B, H, C], random eviction's own draws) gathers from its prompt's keys."""
         k, v = self.pending
         D = k.shape[-1]
         idx = keep_idx.unsqueeze(-1).expand(-1, -1, -1, D)
-        self.keys.copy_(torch.gather(k, 2, idx))
-        self.values.copy_(torch.gather(v, 2, idx))
+        if rows is not None and keep_idx.shape[0] == len(rows):  # a selection per row over the shared prompts
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
+        kept_k, kept_v = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
+        if rows is not None and keep_idx.shape[0] != len(rows):  # one selection per distinct prompt
+            kept_k, kept_v = kept_k.index_select(0, rows), kept_v.index_select(0, rows)
+        self.keys.copy_(kept_k)
+        self.values.copy_(kept_v)
         self.pending = None
 
     def get_seq_length(self) -> int:
@@ -200,17 +218,51 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: float, cache: EvictingCache):
     """Dense attention over the prompt; then the policy scores the prompt keys, the budget evicts, and the kept
-    keys move into the layer's slots. Returns the attention output [B, Hq, P, D]."""
+    keys move into the layer's slots. Returns the attention output [B, Hq, P, D] (or [U, ...]: the distinct
+    prompts, when shared).
+
+    Shared prompts (`st.prefill_rows`): a prompt's keys, values and attention are the same for every sample of
+    its group, so a policy whose prefill selection depends on the prompt alone selects once per distinct prompt
+    and its rows copy the result (slots, per-slot state, evict_at); random eviction draws per row, so its rows
+    select from their prompt's observed attention one by one."""
     out, attn_obs = _prefill_output(st, query, key, value, scaling)
-    slots = _prompt_slots(st.prompt_pad, key.shape[1], key.shape[2])
+    rows, H, P = st.prefill_rows, key.shape[1], key.shape[2]
+    if rows is None or st.policy.prefill_per_row:
+        if rows is not None and attn_obs is not None:
+            attn_obs = attn_obs.index_select(0, rows)
+        slots = _select_prompt_slots(st, layer, _prompt_slots(st.prompt_pad, H, P), attn_obs, st.step_keep,
+                                     st.step_window, st.prompt_lens, st.evict_at[layer])
+        st.slots[layer], order = _front_slots(slots, st.capacity)
+    else:
+        first = st.prefill_first
+        evict_at = st.evict_at.new_full((len(first), *st.evict_at.shape[2:]), -1)
+        slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad, H, P), attn_obs,
+                                     st.step_keep.index_select(0, first), st.step_window.index_select(0, first),
+                                     st.prompt_lens.index_select(0, first), evict_at)
+        st.evict_at[layer].copy_(evict_at.index_select(0, rows))  # before prefill every entry is -1
+        slots, order = _front_slots(slots, st.capacity)
+        st.slots[layer] = rows_of(slots, rows)
+    cache.layers[layer].finish_prefill(order, rows)
+    return out
+
+
+def _select_prompt_slots(st: RolloutState, layer: int, slots: LayerSlots, attn_obs: torch.Tensor | None,
+                         keep: torch.Tensor, window: torch.Tensor, prompt_lens: torch.Tensor,
+                         evict_at: torch.Tensor) -> LayerSlots:
+    """The policy's prefill selection over `slots` (one per prompt position): observe the prompt's attention,
+    then evict down to `keep`, recording into `evict_at` [rows, H, T]. Rows are the batch's or the distinct
+    prompts'; every argument has the same rows."""
     st.policy.observe_prefill(layer, slots, attn_obs)
     if st.policy.evicts:
-        keep = st.step_keep  # the prefill's keep counts (generate_batch sets them before the forward)
-        evict(slots, st.policy.scores(layer, slots), keep, st.prompt_lens - 1, st.eviction["sinks"],
-              st.step_window, st.evict_at[layer])
-    st.slots[layer], order = _front_slots(slots, st.capacity)
-    cache.layers[layer].finish_prefill(order)
-    return out
+        evict(slots, st.policy.scores(layer, slots), keep, prompt_lens - 1, st.eviction["sinks"], window, evict_at)
+    return slots
+
+
+def rows_of(slots: LayerSlots, rows: torch.Tensor) -> LayerSlots:
+    """The slots of each batch row from those of its distinct prompt (`rows` [B] indexes the first axis): copies,
+    since every row then decodes and evicts on its own."""
+    return LayerSlots(slot_pos=slots.slot_pos.index_select(0, rows),
+                      extra={name: t.index_select(0, rows) for name, t in slots.extra.items()})
 
 
 def _prefill_output(st: RolloutState, query, key, value, scaling: float):
@@ -391,24 +443,27 @@ def generate_batch(
     generator: torch.Generator | None = None,
     stop_check_every: int = 0,
     compile: bool = False,
+    share_prompt: bool = True,
 ) -> tuple[list[SampleResult], BatchStats]:
     """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks.
 
     Runs on the model's device. `generator` seeds the sampling; a generator on another device than the model's
     is replaced by one on the model's device with the same seed. `stop_check_every`: decoding steps between
     stop checks (0 = `stop_check_interval`'s default); the results do not depend on it. `compile`: run the
-    decoding step through `torch.compile` (CUDA graphs on a GPU; see `compiled_decode_step`).
+    decoding step through `torch.compile` (CUDA graphs on a GPU; see `compiled_decode_step`). `share_prompt`:
+    prefill each distinct prompt once (`prefill`; rollout.share_prompt); false runs every row's own prefill,
+    the reference.
     """
     simulated = None
     if not eviction.apply:  # rollout.eviction.apply false: the prefill's decisions, recorded but not applied
-        simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id)
+        simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id, share_prompt)
         eviction = eviction.model_copy(update={"policy": "dense", "apply": True})
     state = new_state(model, prompts, eviction, max_new_tokens)
     cache = EvictingCache(state)
     kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
     generator = _on_device(generator, state.device)
     with attention_implementation(model, ROLLOUT_ATTENTION):
-        logits = prefill(model, prompts, state, cache, pad_token_id, kwargs)
+        logits = prefill(model, prompts, state, cache, pad_token_id, kwargs, share_prompt)
         step = compiled_decode_step(model) if compile else _decode_step
         tokens, logprobs, lengths, stopped = decode(model, logits, state, cache, kwargs, max_new_tokens,
                                                     eos_token_id, pad_token_id, temperature,
@@ -421,7 +476,7 @@ def generate_batch(
 
 
 def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int,
-                                pad_token_id: int) -> torch.Tensor:
+                                pad_token_id: int, share_prompt: bool = True) -> torch.Tensor:
     """`rollout.eviction.apply: false`: the evict_at [L, B, H, P + max_new_tokens] the policy records at the prefill
     of these prompts (compress prefill_only: a compressed rollout's only decisions, which depend on the prompts
     alone), from one prefill of the evicting engine whose cache is then dropped; the caller samples densely."""
@@ -430,7 +485,8 @@ def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: Evict
     state = new_state(model, prompts, eviction.model_copy(update={"apply": True}), max_new_tokens)
     cache = EvictingCache(state)
     with attention_implementation(model, ROLLOUT_ATTENTION):
-        prefill(model, prompts, state, cache, pad_token_id, {"smd_rollout_state": state, "smd_rollout_cache": cache})
+        prefill(model, prompts, state, cache, pad_token_id, {"smd_rollout_state": state, "smd_rollout_cache": cache},
+                share_prompt)
     return state.evict_at
 
 
@@ -468,26 +524,57 @@ def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new
     )
 
 
+def distinct_prompts(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The batch's distinct prompts: (first [U], the row where each distinct prompt first occurs; rows [B], the
+    distinct prompt of each row, an index into `first`). GRPO's batches hold G samples of each prompt
+    (`group_jobs`), so U is about B / G. The prefix sharing of vLLM's prefix caching and SGLang's
+    RadixAttention, here for whole prompts and exactly: a prompt token's queries are never restricted by the
+    shadow mask (docs/design.md §3c)."""
+    index: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    rows: list[int] = []
+    for b, p in enumerate(prompts):
+        key = tuple(p)
+        if key not in index:
+            index[key] = len(first)
+            first.append(b)
+        rows.append(index[key])
+    return first, rows
+
+
 def prefill(model, prompts: list[list[int]], state: RolloutState, cache: EvictingCache, pad_token_id: int,
-            kwargs: dict[str, Any]) -> torch.Tensor:
+            kwargs: dict[str, Any], share_prompt: bool = True) -> torch.Tensor:
     """Run the left-padded prompts (dense causal attention, then the first eviction); return the logits
-    [B, 1, V] of the first response token."""
+    [B, 1, V] of the first response token.
+
+    `share_prompt`: the model's forward runs on the distinct prompts only (`distinct_prompts`); the policy's
+    selection, the slots and the first-token logits are then expanded to every row (`prefill_attention`).
+    Every row's results are those of its own prefill, up to the float rounding of a batch of another size."""
     lens = [len(p) for p in prompts]
     P = max(lens)
-    ids = np.full((len(prompts), P), pad_token_id, dtype=np.int64)  # built on the host, copied once
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = p
     device = state.device
+    first, rows = distinct_prompts(prompts) if share_prompt else (list(range(len(prompts))), [])
+    shared = len(first) < len(prompts)
+    run = [prompts[b] for b in first] if shared else prompts
+    ids = np.full((len(run), P), pad_token_id, dtype=np.int64)  # built on the host, copied once
+    for i, p in enumerate(run):
+        ids[i, P - len(p):] = p
     state.padded = min(lens) < P
     state.prompt_pad = P - state.prompt_lens
+    if shared:
+        state.prefill_first = torch.tensor(first, dtype=torch.long, device=device)
+        state.prefill_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        state.prefill_pad = state.prompt_pad.index_select(0, state.prefill_first)
+    else:
+        state.prefill_pad = state.prompt_pad
     state.seq_length = P
     state.step_keep = torch.from_numpy(state.schedule.prefill_keep).to(device)
     state.step_window = state.policy.recent_window(state.step_keep)
-    pos = torch.arange(P, device=device).unsqueeze(0) - state.prompt_pad.unsqueeze(1)
+    pos = torch.arange(P, device=device).unsqueeze(0) - state.prefill_pad.unsqueeze(1)
     out = model(input_ids=torch.from_numpy(ids).to(device), position_ids=pos.clamp(min=0), past_key_values=cache,
                 use_cache=True, logits_to_keep=1, **kwargs)
     state.phase = "decode"
-    return out.logits
+    return out.logits.index_select(0, state.prefill_rows) if shared else out.logits
 
 
 def _decode_step(model, feed: torch.Tensor, position_ids: torch.Tensor, cache: EvictingCache,

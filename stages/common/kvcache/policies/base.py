@@ -42,11 +42,16 @@ class EvictionPolicy:
 
     needs_attention: "none" (scores from positions alone), "window" (attention of the last `window`
     prefill queries) or "all" (attention of every query). The engine computes only what is asked.
+    prefill_per_row: see below; `observe_prefill` then receives every row, else it may receive one row per
+    distinct prompt (the engine copies the selection to the prompt's rows).
     """
 
     name: ClassVar[str] = ""
     needs_attention: ClassVar[str] = "none"
     evicts: ClassVar[bool] = True
+    # Whether the prefill's selection depends on more than the prompt (random eviction's per-row draws). When
+    # false, the samples of one prompt select alike, and a shared prefill selects once per distinct prompt.
+    prefill_per_row: ClassVar[bool] = False
 
     def __init__(self, cfg: EvictionParams, num_layers: int):
         self.cfg = cfg

@@ -10,6 +10,7 @@ from stages.common.kvcache.policies.base import EvictionPolicy, LayerSlots, regi
 @register_policy
 class RandomPolicy(EvictionPolicy):
     name = "random"
+    prefill_per_row = True  # each row draws its own priorities, also over a prompt its group shares
 
     def __init__(self, cfg, num_layers):
         super().__init__(cfg, num_layers)

@@ -1,0 +1,129 @@
+"""A group's prompt, prefilled once in the rollout (docs/design.md §3c, issue 40): `generate_batch` with
+`share_prompt` runs the model's prompt forward on the distinct prompts only and copies the policy's prefill
+selection to each prompt's samples. For every eviction policy, with groups and left padding, it gives the
+per-sample engine's tokens and shadow masks, log-probs within the float32 bound, and the learner's
+shadow-masked replay of a shared rollout holds as it does for a per-sample one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.params.rollout import POLICIES, EvictionParams
+from stages.common.kvcache.sampler import distinct_prompts, generate_batch
+from stages.common.model import load_policy
+from stages.learner.objectives import token_logprobs
+from stages.learner.shadow_attention import response_logits
+from tests.helpers import make_model_dir, model_chain, random_prompts, replay_batch, within_float32_bound
+
+TOL = 1e-5  # the replay tolerance of tests/test_rollout.py
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_policy(make_model_dir(tmp_path_factory.mktemp("shared-rollout"), "gqa"))
+
+
+def grouped_prompts(seed: int = 3) -> list[list[int]]:
+    """Three groups (3, 2 and 1 samples, adjacent as `group_jobs` makes them) of prompts of three lengths, so
+    the batch is left-padded; the last prompt repeats the first group's after a different one."""
+    a, b, c = random_prompts([30, 23, 17], seed=seed)
+    return [a, a, a, b, b, c, a]
+
+
+def _eviction(policy: str, **kw) -> EvictionParams:
+    return EvictionParams(policy=policy, keep_ratio=kw.pop("keep_ratio", 0.5), sinks=2, window=4, **kw)
+
+
+def _run(model, prompts, ev, share: bool, seed: int = 0, temperature: float = 1.0):
+    return generate_batch(model, prompts, ev, 10, None, 0, temperature, torch.Generator().manual_seed(seed),
+                          share_prompt=share)
+
+
+def _logprobs(results) -> torch.Tensor:
+    return torch.tensor([r.logprobs for r in results], dtype=torch.float32)
+
+
+def test_distinct_prompts_maps_rows_to_first_occurrences():
+    first, rows = distinct_prompts([[1, 2], [1, 2], [3], [1, 2], [3], [4]])
+    assert first == [0, 2, 5]
+    assert rows == [0, 0, 1, 0, 1, 2]
+    assert distinct_prompts([[5], [6]]) == ([0, 1], [0, 1])
+
+
+def test_prefill_forward_runs_on_the_distinct_prompts_only(model):
+    seen: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        prompts = grouped_prompts()
+        _run(model, prompts, _eviction("snapkv"), share=True)
+        shared = seen[0]
+        seen.clear()
+        _run(model, prompts, _eviction("snapkv"), share=False)
+    finally:
+        hook.remove()
+    assert shared == 3 and seen[0] == len(prompts)
+
+
+@pytest.mark.parametrize("compress", ["every_step", "prefill_only"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_shared_prefill_equals_per_sample(model, policy, compress):
+    """Same seeds: the same tokens and shadow masks per sample, log-probs within the float32 bound of a forward
+    over the longest sequence (measured: equal bit for bit on the CPU)."""
+    prompts = grouped_prompts()
+    ev = _eviction(policy, compress=compress)
+    shared, stats_s = _run(model, prompts, ev, share=True)
+    own, stats_o = _run(model, prompts, ev, share=False)
+    for s, o in zip(shared, own, strict=True):
+        assert s.response_ids == o.response_ids
+        assert np.array_equal(s.evict_at, o.evict_at)
+        assert (s.prompt_len, s.finish_reason, s.kv_peak_tokens) == (o.prompt_len, o.finish_reason, o.kv_peak_tokens)
+    T = max(len(p) for p in prompts) + 10
+    assert within_float32_bound(_logprobs(shared), _logprobs(own), model_chain(model.config, T))
+    assert stats_s.generated_tokens == stats_o.generated_tokens
+
+
+def test_random_eviction_draws_per_sample_under_sharing(model):
+    """A group's samples share the prompt but not random eviction's draws: their prompt masks differ."""
+    prompts = grouped_prompts()
+    shared, _ = _run(model, prompts, _eviction("random", compress="prefill_only"), share=True)
+    P = shared[0].prompt_len
+    assert not np.array_equal(shared[0].evict_at[:P], shared[1].evict_at[:P])
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "recent"])
+def test_prompt_only_policies_select_alike_within_a_group(model, policy):
+    """The prefill selection depends on the prompt alone: one group's samples evict the same prompt keys at
+    prefill (compress prefill_only: the prompt's only decisions)."""
+    prompts = grouped_prompts()
+    shared, _ = _run(model, prompts, _eviction(policy, compress="prefill_only"), share=True)
+    P = shared[0].prompt_len
+    for r in (shared[1], shared[2], shared[6]):
+        assert np.array_equal(shared[0].evict_at[:P], r.evict_at[:P])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replay_holds_on_a_shared_rollout(model, policy):
+    """The independent check: the learner's shadow-masked forward on the recorded masks gives a shared
+    rollout's log-probs (as tests/test_rollout.py checks the per-sample engine's)."""
+    prompts = grouped_prompts(seed=5)
+    temperature = 0.8
+    res, _ = _run(model, prompts, _eviction(policy), share=True, seed=1, temperature=temperature)
+    ids, evict_at, rec = replay_batch(prompts, res)
+    with torch.no_grad():
+        logits, targets, valid = response_logits(model, ids, evict_at, [len(p) for p in prompts],
+                                                 [len(r.response_ids) for r in res])
+    lp = token_logprobs(logits, targets, temperature)
+    assert (lp - rec)[valid].abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "random"])
+def test_simulated_eviction_shares_the_prefill(model, policy):
+    """rollout.eviction.apply false records the prefill's decisions of a shared prefill as of a per-sample one."""
+    prompts = grouped_prompts()
+    ev = _eviction(policy, compress="prefill_only", apply=False)
+    shared, _ = _run(model, prompts, ev, share=True)
+    own, _ = _run(model, prompts, ev, share=False)
+    for s, o in zip(shared, own, strict=True):
+        assert s.response_ids == o.response_ids and np.array_equal(s.evict_at, o.evict_at)
