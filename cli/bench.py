@@ -66,8 +66,12 @@ def bench_rollout_cmd(
         help="Comma-separated process counts, e.g. 1,2: the rollout stage data parallel (gloo), tokens/s side by "
              "side instead of the policy comparison.")] = None,
     threads: Annotated[int, typer.Option(min=1, help="With --processes: torch threads per process.")] = 1,
-    prompts: Annotated[int, typer.Option(min=1, help="With --processes: prompts sampled.")] = 32,
-    group_size: Annotated[int, typer.Option(min=2, help="With --processes: samples per prompt.")] = 8,
+    prompts: Annotated[int | None, typer.Option(
+        min=1, help="With --processes or --group-size: prompts sampled (default 32; with --group-size 16).")] = None,
+    group_size: Annotated[int | None, typer.Option(
+        min=2, help="With --processes: samples per prompt (default 8). With --model: the GRPO workload instead, "
+                    "--prompts x G samples: smd SnapKV shared and per sample, smd dense shared, vLLM n=G with "
+                    "prefix caching on and off (--lengths: prompt lengths, default 140).")] = None,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="With --processes: tokens per random prompt.")] = 110,
     policy: Annotated[Path | None, typer.Option(
         help="With --processes: policy directory (default: the default tiny model, random init).")] = None,
@@ -78,34 +82,42 @@ def bench_rollout_cmd(
              "and vLLM's CPU build at 256, 1k and 2k prompt tokens (--lengths to change), then the largest batch "
              "per engine under one KV-cache byte budget and its tokens/s.")] = None,
     engines: Annotated[str | None, typer.Option(
-        help="With --model: comma-separated engines (default generate,dense,snapkv,vllm).")] = None,
+        help="With --model: comma-separated engines (default generate,dense,snapkv,vllm; with --group-size "
+             "smd-snapkv-shared,smd-snapkv-per-sample,smd-dense-shared,vllm-prefix-cache,vllm-no-prefix-cache).")] = None,
     budget_sequences: Annotated[int, typer.Option(
         min=1, help="With --model: the KV-cache budget is the dense cache of this many sequences of 1024 prompt "
                     "tokens plus the new tokens.")] = 4,
 ) -> None:
     """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
-    wall time side by side. With --model: a real model against vLLM (see --model)."""
+    wall time side by side. With --model: a real model against vLLM (see --model); with --model and --group-size,
+    the GRPO workload (see --group-size)."""
+    def parse_lengths() -> list[int] | None:
+        if lengths == "default,2048,4096":  # the option's default: the real model's own lengths
+            return None
+        if not all(x.strip().isdigit() for x in lengths.split(",") if x.strip()):
+            raise SmdInputError(f"--lengths: {lengths!r}: with --model, prompt lengths only")
+        return [int(x) for x in lengths.split(",") if x.strip()]
+
+    engine_list = [x.strip() for x in engines.split(",") if x.strip()] if engines else None
+    if model is not None and group_size is not None:
+        from stages.bench.rollout import bench_rollout_groups
+
+        guarded(lambda: bench_rollout_groups(model, group_size, parse_lengths(), prompts or 16, keep_ratio,
+                                             new_tokens or 16, batch_size or 16, repeats or 2, engine_list))
+        return
     if model is not None:
         from stages.bench.rollout import bench_rollout_model
 
-        def parse_lengths() -> list[int] | None:
-            if lengths == "default,2048,4096":  # the option's default: the real model's own lengths
-                return None
-            if not all(x.strip().isdigit() for x in lengths.split(",") if x.strip()):
-                raise SmdInputError(f"--lengths: {lengths!r}: with --model, prompt lengths only")
-            return [int(x) for x in lengths.split(",") if x.strip()]
-
         guarded(lambda: bench_rollout_model(
-            model, parse_lengths(), keep_ratio, new_tokens or 32, repeats or 2,
-            [x.strip() for x in engines.split(",") if x.strip()] if engines else None,
+            model, parse_lengths(), keep_ratio, new_tokens or 32, repeats or 2, engine_list,
             budget_sequences=budget_sequences))
         return
     if processes:
         from stages.bench.rollout_scale import bench_rollout_processes
 
         guarded(lambda: bench_rollout_processes([int(x) for x in processes.split(",") if x], threads, policy,
-                                                prompts, group_size, prompt_tokens, new_tokens or 16,
+                                                prompts or 32, group_size or 8, prompt_tokens, new_tokens or 16,
                                                 batch_size or 16, repeats or 2))
         return
     from stages.bench.rollout import bench_rollout
@@ -153,8 +165,30 @@ def bench_learner_cmd(
     model: Annotated[Path | None, typer.Option(
         help="A model directory (e.g. from `smdctl convert-model`) instead of --shape: its weights and config "
              "(default lengths 256,1024; learners dense, smd tiled, smd sdpa).")] = None,
+    group_size: Annotated[int | None, typer.Option(
+        min=1, help="With --model: the learner stage on GRPO's workload (--prompts x G samples), shared prompts "
+                    "against per-sample, smd and dense: step time and itemized memory (stages/bench/learner_grpo.py).")] = None,
+    prompts: Annotated[int, typer.Option(min=1, help="With --group-size: prompts per iteration.")] = 16,
+    prompt_tokens: Annotated[int, typer.Option(min=2, help="With --group-size: prompt length (the SmolLM2 spec's "
+                                                           "~141).")] = 141,
+    response_tokens: Annotated[int, typer.Option(min=1, help="With --group-size: longest response.")] = 16,
+    micro_batch_size: Annotated[int, typer.Option(min=1, help="With --group-size: learner.micro_batch_size.")] = 8,
+    repeats: Annotated[int, typer.Option(min=1, help="With --group-size: runs per arm (the fastest counts).")] = 2,
+    cores: Annotated[str | None, typer.Option(help="With --group-size: taskset core list of every arm (e.g. 0 or "
+                                                   "0,1).")] = None,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
+    if group_size is not None:
+        def grpo() -> None:
+            if model is None:
+                raise SmdInputError("--group-size: needs --model (a model directory)")
+            from stages.bench.learner_grpo import bench_learner_grpo
+
+            bench_learner_grpo(model, group_size, prompts, prompt_tokens, response_tokens, micro_batch_size, repeats,
+                               threads, cores)
+
+        guarded(grpo)
+        return
     if model is not None:
         shape = str(model.resolve())
     from stages.bench.learner import run_learner_bench

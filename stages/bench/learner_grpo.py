@@ -1,0 +1,218 @@
+"""`smdctl bench learner --model DIR --group-size G`: the learner stage on GRPO's workload, shared prompts against
+per-sample prompts (issue 40, docs/design.md §3c and §8).
+
+The workload is an iteration's batch as the SmolLM2 spec makes it by default: `prompts` prompts of about
+`prompt_tokens` tokens (lengths spread over the last 8 so that micro-batches pad), `group_size` responses of up
+to `response_tokens` tokens each, SnapKV-like shadow masks at keep ratio 0.5 (`stages.bench.synthetic_rollouts`:
+each sample its own schedule), random token ids and 0/1 rewards. Written once as a trajectory table and a
+compacted mask store, then learned from by `run_learner` itself, once per arm, each in its own process (peak
+memory is per process on a CPU) and `repeats` times (the fastest counts):
+
+  smd shared       learner.objective smd (lambda 0.1, the dense teacher of the same weights), shared prompts
+  smd per-sample   the same with learner.shared_prompt false: every sample forwards its prompt
+  dense shared     the dense learner (objective dense): no mask, no teacher; the field's anchor
+  dense per-sample the same, per sample
+
+Per arm: the optimizer step's seconds (forward, backward and AdamW: `learner/seconds_per_step`), the parity pass's
+(a no-grad scoring of every row), the whole learn call, and memory, itemized from the resident set measured at the
+learner's own stages (glibc set to release freed memory, as `stages.bench.learner` does): the process before
+the learner (Python, torch, DeepSpeed imported), the policy loaded (weights), the DeepSpeed engine built
+(optimizer state and DeepSpeed's buffers), and the peak over the parity pass and the step (activations, logits,
+the teacher's pass and the gradients). The synthetic rollout log-probs are not the model's, so the parity gate is
+opened (learner.parity_tol 1e9); everything else runs as `smdctl learn` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARMS: tuple[tuple[str, str, bool], ...] = (
+    ("smd shared", "smd", True),
+    ("smd per-sample", "smd", False),
+    ("dense shared", "dense", True),
+    ("dense per-sample", "dense", False),
+)
+
+
+def grpo_workload(model_dir: Path, out: Path, prompts: int, group_size: int, prompt_tokens: int,
+                  response_tokens: int, keep_ratio: float = 0.5, seed: int = 0) -> tuple[Path, Path, dict[str, int]]:
+    """Write the bench's iteration (trajectories.arrow + compacted masks.zarr) under `out`; returns their paths
+    and the token counts (real tokens per sample, distinct prompt tokens, response tokens)."""
+    from transformers import AutoConfig
+
+    from schemas.params.compaction import CompactionParams
+    from schemas.params.rollout import EvictionParams
+    from stages.bench.synthetic_rollouts import synthetic_evict_at, write_synthetic_inputs
+    from stages.compaction import run_compaction
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    layers = cfg.num_hidden_layers
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    eviction = EvictionParams(policy="snapkv", keep_ratio=keep_ratio).model_dump()
+    rng = np.random.default_rng(seed)
+    table: list[dict[str, Any]] = []
+    evs: list[np.ndarray] = []
+    distinct = 0
+    for p in range(prompts):
+        P = max(2, prompt_tokens - int(rng.integers(0, 8)))
+        distinct += P
+        prompt = rng.integers(4, cfg.vocab_size - 1, size=P).tolist()
+        for g in range(group_size):
+            R = int(rng.integers(max(1, response_tokens // 2), response_tokens + 1))
+            i = len(table)
+            evs.append(synthetic_evict_at("snapkv", P + R, P, layers, kv_heads, eviction, rng))
+            table.append({
+                "trajectory_id": f"traj-{i:05d}", "prompt_id": f"prompt-{p:05d}", "group_index": g, "iteration": 1,
+                "task": "synthetic", "prompt_token_ids": prompt,
+                "response_token_ids": rng.integers(4, cfg.vocab_size - 1, size=R).tolist(), "response_text": "",
+                "rollout_logprobs": [-1.0] * R, "reward": float(rng.integers(0, 2)), "finish_reason": "length",
+                "eviction_policy": "snapkv", "keep_ratio": keep_ratio, "max_tokens": None,
+                "kv_peak_tokens": P + R, "kv_dense_tokens": P + R, "mask_row": i,
+            })
+    lengths = [len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in table]
+    shard = {"evict_at": np.concatenate(evs), "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+             "mask_row": np.arange(len(table), dtype=np.int64),
+             "prompt_len": np.asarray([len(r["prompt_token_ids"]) for r in table], dtype=np.int32)}
+    traj, raw = write_synthetic_inputs(out / "rollout", table, [shard], eviction, layers, kv_heads)
+    masks = run_compaction(CompactionParams(), traj, raw, out / "compact" / "masks.zarr")["masks"]
+    counts = {"tokens": int(sum(lengths)), "distinct_prompt_tokens": distinct,
+              "response_tokens": int(sum(len(r["response_token_ids"]) for r in table))}
+    return traj, masks, counts
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def _hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def arm_main(spec_json: str) -> None:
+    """One arm in this process (the bench's subprocess): learn once from the workload, print one JSON line."""
+    from stages.bench.learner import _malloc_live_tracking, _reset_peak
+
+    spec = json.loads(spec_json)
+    _malloc_live_tracking()
+    import torch
+
+    import stages.learner.train as train
+    from schemas.params import load_params
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    marks: dict[str, float] = {"start": _rss_mb()}
+    load_policy, make_engine = train.load_policy, train.make_engine
+
+    def loaded(*args, **kwargs):
+        model = load_policy(*args, **kwargs)
+        marks.setdefault("policy", _rss_mb())
+        return model
+
+    def engine(*args, **kwargs):
+        out = make_engine(*args, **kwargs)
+        marks["engine"] = _rss_mb()
+        _reset_peak()  # the peak from here on: the parity pass and the optimizer step
+        return out
+
+    train.load_policy, train.make_engine = loaded, engine
+    params = load_params(None, [
+        f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
+        f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
+        "learner.resume_optimizer=false", "learner.lr=1e-7", f"learner.attention_backend={spec['backend']}",
+        "rollout.eviction.policy=snapkv", f"rollout.temperature={spec['temperature']}",
+    ])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = train.run_learner(params, 1, Path(spec["model"]), spec["trajectories"], spec["masks"],
+                                Path(tmp) / "policy")
+        details = json.loads(out["details"].read_text())
+    marks["peak"] = _hwm_mb()
+    print("SMD_BENCH " + json.dumps({
+        "step_s": details["learner/seconds_per_step"], "parity_s": details.get("learner/parity_seconds", 0.0),
+        "learn_s": details["learner/seconds"], **{f"rss_{k}_mb": v for k, v in marks.items()},
+    }), flush=True)
+
+
+def _run_arm(spec: dict[str, Any], cores: str | None) -> dict[str, Any]:
+    cmd = [sys.executable, "-c", f"from stages.bench.learner_grpo import arm_main; arm_main({json.dumps(json.dumps(spec))})"]
+    if cores:
+        cmd = ["taskset", "-c", cores, *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"] or os.cpu_count())}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SMD_BENCH "):
+            return json.loads(line[len("SMD_BENCH "):])
+    raise RuntimeError(f"bench arm {spec['objective']} shared={spec['shared']} failed:\n{proc.stderr[-3000:]}")
+
+
+def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, prompt_tokens: int = 141,
+                       response_tokens: int = 16, micro_batch_size: int = 8, repeats: int = 2, threads: int = 1,
+                       cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
+                       temperature: float = 0.7, log=print) -> list[dict[str, Any]]:
+    """Run every arm `repeats` times (interleaved), print the table, return its rows."""
+    import torch
+    from transformers import AutoConfig
+
+    chosen = [a for a in ARMS if arms is None or a[0] in arms]
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        traj, masks, counts = grpo_workload(model_dir, Path(tmp), prompts, group_size, prompt_tokens,
+                                            response_tokens)
+        n_params = sum(p.numel() for p in _count_model(model_dir).parameters())
+        log(f"# learner on GRPO's workload: {model_dir.name} ({n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} "
+            f"layers), {prompts} prompts x G {group_size}, prompts ~{prompt_tokens} tokens, responses <= "
+            f"{response_tokens}; micro-batch {micro_batch_size}; backend {backend}; float32; torch {torch.__version__}; "
+            f"{threads or 'default'} thread(s); cores {cores or 'any'}; fastest of {repeats}")
+        log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
+            f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "
+            f"(distinct prompts + responses + each sample's last prompt token)")
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(repeats):
+            for label, objective, shared in chosen:
+                spec = {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks),
+                        "objective": objective, "shared": shared, "micro_batch_size": micro_batch_size,
+                        "threads": threads, "backend": backend, "temperature": temperature}
+                res = _run_arm(spec, cores)
+                if label not in best or res["step_s"] < best[label]["step_s"]:
+                    best[label] = res
+    weights_mb = n_params * 4 / 2**20
+    log(f"# analytic: weights {weights_mb:.0f} MB, gradients {weights_mb:.0f} MB, AdamW moments {2 * weights_mb:.0f} MB "
+        f"(sum {4 * weights_mb:.0f} MB)")
+    header = ("arm", "step s", "vs per-sample", "parity s", "learn s", "RSS start", "+policy", "+engine",
+              "+step peak", "peak MB")
+    log("| " + " | ".join(header) + " |")
+    log("|" + "---|" * len(header))
+    rows = []
+    for label, objective, shared in chosen:
+        r = best[label]
+        twin = best.get(f"{objective} per-sample")
+        ratio = f"{twin['step_s'] / r['step_s']:.2f}x" if twin and shared else ""
+        start, policy = r["rss_start_mb"], r.get("rss_policy_mb", r["rss_start_mb"])
+        engine = r.get("rss_engine_mb", policy)
+        log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['parity_s']:.2f} | {r['learn_s']:.1f} | {start:.0f} | "
+            f"{policy - start:.0f} | {engine - policy:.0f} | {r['rss_peak_mb'] - engine:.0f} | {r['rss_peak_mb']:.0f} |")
+        rows.append({"arm": label, **r})
+    return rows
+
+
+def _count_model(model_dir: Path):
+    """The model on the meta device (parameter count only, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
