@@ -6,6 +6,7 @@ written (slow)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -202,3 +203,58 @@ def test_a_failed_first_start_is_retried_after_the_fix(model_dir, tmp_path, monk
     rewards.write_text(rewards.read_text() + "# edited\n")
     res = CliRunner().invoke(app, [*args, "--iterations", "2"])
     assert res.exit_code == 2 and "the file changed since this run started" in res.output
+
+
+HANGS = '''
+import time
+
+
+def hang(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 1:
+        while True:
+            try:
+                time.sleep(3600)
+            except Exception:  # a function's own broad except does not swallow the timeout
+                pass
+    return 1.0
+
+
+def hang_batch(prompts, completions, completion_ids, **kwargs):
+    if any(info["index"] == 2 for info in kwargs["extra_info"]):
+        time.sleep(3600)
+    return [1.0] * len(prompts)
+
+
+def slow(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.3)
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("function,workers,row", [("hang", 0, "train-1"), ("hang", 2, "train-1"),
+                                                  ("hang_batch", 0, "train-2")])
+def test_a_reward_that_hangs_stops_at_the_timeout_naming_the_row(model_dir, tmp_path, function, workers, row):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(HANGS)
+    p = rollout_params(rewards, function, **{"reward.timeout_s": 1, "reward.workers": workers})
+    prompts = user_prompts(tmp_path)
+    out = tmp_path / "iter" / "rollout"
+    with pytest.raises(SmdInputError, match=rf"^reward.function: {rewards}:{function}: no result for row {row} "
+                                            r"within reward.timeout_s=1 s"):
+        run_rollout(p, 1, model_dir, prompts, out, show_progress=False)
+    assert not (tmp_path / "iter").exists() or not list((tmp_path / "iter").iterdir())  # no partial directory
+
+
+def test_scoring_that_runs_long_prints_progress(model_dir, tmp_path, monkeypatch, capsys):
+    import stages.common.reward_functions as rf
+
+    monkeypatch.setattr(rf, "PROGRESS_EVERY_S", 0.2)
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(HANGS)
+    out = run_rollout(rollout_params(rewards, "slow", **{"reward.timeout_s": "null"}), 1, model_dir,
+                      user_prompts(tmp_path), tmp_path / "out", show_progress=False)
+    err = capsys.readouterr().err
+    assert re.search(rf"reward.function: {rewards}:slow: row train-\d still running after 0 s \(no reward.timeout_s\)",
+                     err), err
+    assert re.search(rf"reward.function: {rewards}:slow: \d+ of \d+ rows scored in \d+ s", err), err
+    assert pd.read_feather(out["trajectories"]).reward.eq(1.0).all()

@@ -42,6 +42,15 @@ class RewardParams(BaseModel):
         description="Processes that run the reward functions (a spawn pool), so a slow verifier scores one batch "
         "while the next one samples; 0 = in the stage's own process, after each batch.",
     )
+    timeout_s: float | None = Field(
+        300.0,
+        gt=0,
+        description="Seconds one call of a reward function may take (verl's prime reward manager's per-call "
+        "timeout, whose default is 300 s; a verl function is called per sample, a TRL one per batch); past it the "
+        "stage stops with one line naming the function and the row, nothing written (verl's prime manager would "
+        "score it 0 and go on; smd does not hide a hang). null = no limit. A call or a batch that runs longer than "
+        "30 s prints a progress line meanwhile. The built-ins keep math-verify's own timeouts.",
+    )
     exact_match_threshold: float = Field(
         1.0,
         description="With reward functions: a response counts as an exact match (evaluate's and the warm start's "

@@ -43,6 +43,12 @@ function, an import failure, a signature of neither convention, an exception ins
 prompt id and the exception's last line; a TRL batch that raises is rerun row by row to name the first row that
 fails alone), a return that is not a finite number or None (with its row), a TRL list of the wrong length.
 
+`timeout_s` (reward.timeout_s, per call as verl's prime reward manager's `timeout`): a call that runs past it stops
+the stage with one line naming the function and the row (a TRL batch that hangs is rerun row by row to name the
+first row that hangs alone); verl's prime manager scores such a sample 0 and goes on, smd does not hide a hang. A
+call that runs 30 s prints a line, and so does a batch that has scored for 30 s (`_Clock`: SIGALRM in the main
+thread of the scoring process, so in-process and pool scoring time out the same way).
+
 `workers > 0`: a `ProcessPoolExecutor` (spawn context, so a rollout's torch threads are never forked) whose
 initializer loads every function by path in each worker (functions need not be picklable). verl functions run
 on the batch split into one chunk per worker; each TRL function gets the whole batch as one task. `submit`
@@ -62,6 +68,7 @@ import multiprocessing
 import numbers
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -462,7 +469,75 @@ def _verl_extra_info(columns: dict[str, Any]) -> Any:
     return info
 
 
-def _run_verl(fn: Callable, label: str, name: str, samples: list[RewardSample], default_data_source: str):
+# A call that runs this long prints a line (and again each time as long again), as does a batch that scores this long.
+PROGRESS_EVERY_S = 30.0
+
+
+class _CallTimeout(BaseException):
+    """Raised inside a reward call that ran past reward.timeout_s (a BaseException: a function's own `except
+    Exception`, as verl's math_verify has, does not swallow it)."""
+
+
+class _Clock:
+    """Per call: reward.timeout_s and a progress line while a call runs long (SIGALRM from an interval timer, in
+    the main thread of the process that calls: the stage's, or a pool worker's). A built-in, or a call outside the
+    main thread, runs without it (math-verify sets its own alarms; signals reach only the main thread). A function
+    stuck in C code that never returns to Python (a catastrophic regular expression) is not interrupted here;
+    with reward.workers > 0 the stage kills the worker (RewardScorer.result)."""
+
+    def __init__(self, label: str, timeout_s: float | None, builtin: bool, rows: int):
+        self.label, self.timeout_s, self.rows = label, timeout_s, rows
+        self.on = not builtin and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        self.t0 = self.last = time.monotonic()
+
+    def scored(self, done: int) -> None:
+        """After a row (or batch): a progress line when the batch has scored long."""
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(f"reward.function: {self.label}: {done} of {self.rows} rows scored in {now - self.t0:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def call(self, what: str):
+        """Time one call (`what`: "row train-3" or "the batch of rows ..."): _CallTimeout past the timeout."""
+        if not self.on:
+            yield
+            return
+        start = time.monotonic()
+
+        def next_alarm() -> float:
+            elapsed = time.monotonic() - start
+            to_progress = PROGRESS_EVERY_S - elapsed % PROGRESS_EVERY_S
+            if self.timeout_s is None:
+                return to_progress
+            return max(1e-3, min(to_progress, self.timeout_s - elapsed))
+
+        def on_alarm(signum, frame):
+            elapsed = time.monotonic() - start
+            if self.timeout_s is not None and elapsed >= self.timeout_s - 1e-3:
+                raise _CallTimeout()
+            limit = f"reward.timeout_s={self.timeout_s:g}" if self.timeout_s is not None else "no reward.timeout_s"
+            print(f"reward.function: {self.label}: {what} still running after {elapsed:.0f} s ({limit})",
+                  file=sys.stderr, flush=True)
+            signal.setitimer(signal.ITIMER_REAL, next_alarm())
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, next_alarm())
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _timed_out(label: str, timeout_s: float | None, what: str) -> SmdInputError:
+    return _fail(label, f"no result for {what} within reward.timeout_s={timeout_s:g} s (a call that hangs, or set "
+                 "reward.timeout_s higher, or null for none)")
+
+
+def _run_verl(fn: Callable, label: str, name: str, samples: list[RewardSample], default_data_source: str,
+              clock: _Clock):
     """Values and extras of a verl per-sample function over `samples`, or raises (_RowError)."""
     accepted, var_kw = _accepts(fn)
     pass_extra = var_kw or "extra_info" in accepted
@@ -477,9 +552,13 @@ def _run_verl(fn: Callable, label: str, name: str, samples: list[RewardSample], 
         if pass_extra:
             kwargs["extra_info"] = _verl_extra_info(s.columns)
         try:
-            out = fn(**kwargs)
+            with clock.call(f"row {s.prompt_id}"):
+                out = fn(**kwargs)
+        except _CallTimeout:
+            raise _RowError(i, _timed_out(label, clock.timeout_s, f"row {s.prompt_id}")) from None
         except Exception as exc:  # noqa: BLE001 - the user's function
             raise _RowError(i, _fail(label, f"raised on row {s.prompt_id}: {_last_line(exc)}")) from None
+        clock.scored(i + 1)
         score, row_extras = out, {}
         if isinstance(out, dict):
             if "score" not in out:
@@ -535,18 +614,25 @@ def _call_trl(fn: Callable, samples: list[RewardSample]) -> Any:
     return fn(**kwargs)
 
 
-def _run_trl(fn: Callable, label: str, samples: list[RewardSample]) -> list[float | None]:
+def _run_trl(fn: Callable, label: str, samples: list[RewardSample], clock: _Clock) -> list[float | None]:
     """Values of a TRL batched function over `samples` (one call), or raises _RowError."""
+    ids = [s.prompt_id for s in samples]
+    shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} rows)" if len(ids) > 5 else "")
     try:
-        out = _call_trl(fn, samples)
-    except Exception as exc:  # noqa: BLE001 - the user's function
-        for i, s in enumerate(samples):  # name the first row that fails alone
+        with clock.call(f"the batch of rows {shown}"):
+            out = _call_trl(fn, samples)
+    except (Exception, _CallTimeout) as exc:  # noqa: BLE001 - the user's function
+        timed_out = isinstance(exc, _CallTimeout)
+        for i, s in enumerate(samples):  # name the first row that fails (or hangs) alone
             try:
-                _call_trl(fn, [s])
+                with clock.call(f"row {s.prompt_id}"):
+                    _call_trl(fn, [s])
+            except _CallTimeout:
+                raise _RowError(i, _timed_out(label, clock.timeout_s, f"row {s.prompt_id}")) from None
             except Exception as row_exc:  # noqa: BLE001
                 raise _RowError(i, _fail(label, f"raised on row {s.prompt_id}: {_last_line(row_exc)}")) from None
-        ids = [s.prompt_id for s in samples]
-        shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} rows)" if len(ids) > 5 else "")
+        if timed_out:
+            raise _RowError(0, _timed_out(label, clock.timeout_s, f"the batch of rows {shown}")) from None
         raise _RowError(0, _fail(label, f"raised on the batch of rows {shown} but on no row alone: "
                                  f"{_last_line(exc)}")) from None
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
@@ -569,18 +655,19 @@ def _run_trl(fn: Callable, label: str, samples: list[RewardSample]) -> list[floa
 
 def _evaluate(
     fns: list[tuple[int, RewardFunctionSpec, Callable]], samples: list[RewardSample], offset: int,
-    default_data_source: str,
+    default_data_source: str, timeout_s: float | None = None,
 ) -> tuple[dict[int, list[float | None]], dict[str, list[Any]], _Failure | None]:
     """Run each (index, spec, fn) on `samples` (rows offset..), in order; stop at the first failure."""
     values: dict[int, list[float | None]] = {}
     extras: dict[str, list[Any]] = {}
     for index, spec, fn in fns:
+        clock = _Clock(spec.label, timeout_s, spec.path is None, len(samples))
         try:
             if spec.convention == "verl":
-                values[index], fn_extras = _run_verl(fn, spec.label, spec.name, samples, default_data_source)
+                values[index], fn_extras = _run_verl(fn, spec.label, spec.name, samples, default_data_source, clock)
                 extras.update(fn_extras)
             else:
-                values[index] = _run_trl(fn, spec.label, samples)
+                values[index] = _run_trl(fn, spec.label, samples, clock)
         except _RowError as err:
             return values, extras, _Failure(index, offset + err.row, str(err.error))
     return values, extras, None
@@ -606,11 +693,11 @@ def _worker_ready() -> tuple[int, str | None]:
 
 
 def _worker_task(indices: list[int], samples: list[RewardSample], offset: int, default_data_source: str,
-                 specs: list[RewardFunctionSpec]):
+                 specs: list[RewardFunctionSpec], timeout_s: float | None = None):
     if "error" in _WORKER:
         return {}, {}, _Failure(-1, -1, _WORKER["error"])
     fns = [(i, specs[i], _WORKER["fns"][i]) for i in indices]
-    return _evaluate(fns, samples, offset, default_data_source)
+    return _evaluate(fns, samples, offset, default_data_source, timeout_s)
 
 
 # ------------------------------------------------------------------------------------------- the scorer
@@ -624,7 +711,7 @@ class RewardScorer:
     """Scores batches of RewardSample with the loaded functions (module docstring). A context manager."""
 
     def __init__(self, specs: list[RewardFunctionSpec], weights: list[float] | None = None, workers: int = 0,
-                 default_data_source: str = "dataset"):
+                 default_data_source: str = "dataset", timeout_s: float | None = None):
         if not specs:
             raise SmdInputError("reward.function: no reward function given")
         if weights is None:
@@ -639,6 +726,7 @@ class RewardScorer:
         self.specs = list(specs)
         self.weights = weights
         self.workers = int(workers)
+        self.timeout_s = timeout_s  # per call (reward.timeout_s); None: no limit
         self.default_data_source = default_data_source
         self._pool: ProcessPoolExecutor | None = None
         self._fns: list[Callable] | None = None
@@ -683,17 +771,19 @@ class RewardScorer:
         if self._pool is None:
             assert self._fns is not None
             fns = [(i, self.specs[i], self._fns[i]) for i in range(len(self.specs))]
-            done = _evaluate(fns, samples, 0, self.default_data_source)
+            done = _evaluate(fns, samples, 0, self.default_data_source, self.timeout_s)
             return _Handle(n, [(list(range(len(self.specs))), 0, n, done)])
         parts: list[tuple[list[int], int, int, Any]] = []
         if verl:
             size = -(-n // self.workers)
             for start in range(0, n, size):
                 chunk = samples[start:start + size]
-                fut = self._pool.submit(_worker_task, verl, chunk, start, self.default_data_source, self.specs)
+                fut = self._pool.submit(_worker_task, verl, chunk, start, self.default_data_source, self.specs,
+                                        self.timeout_s)
                 parts.append((verl, start, len(chunk), fut))
         for i in trl:
-            fut = self._pool.submit(_worker_task, [i], samples, 0, self.default_data_source, self.specs)
+            fut = self._pool.submit(_worker_task, [i], samples, 0, self.default_data_source, self.specs,
+                                    self.timeout_s)
             parts.append(([i], 0, n, fut))
         return _Handle(n, parts)
 
@@ -704,10 +794,11 @@ class RewardScorer:
         failures: list[_Failure] = []
         for indices, offset, count, part in handle.parts:
             if isinstance(part, Future):
+                labels = ", ".join(self.specs[i].label for i in indices)
+                self._wait(part, labels, offset, count, len(indices))
                 try:
                     part = part.result()
                 except Exception as exc:  # noqa: BLE001 - a worker that died (os._exit, a crash)
-                    labels = ", ".join(self.specs[i].label for i in indices)
                     raise SmdInputError(f"reward.function: {labels}: a reward worker process failed: "
                                         f"{_last_line(exc)}") from None
             part_values, part_extras, failure = part
@@ -728,6 +819,28 @@ class RewardScorer:
         rewards, unscorable = weighted_rewards(ordered, self.weights)
         per_function = {spec.name: ordered[i] for i, spec in enumerate(self.specs)}
         return RewardResult(rewards, per_function, extras, unscorable)
+
+    def _wait(self, future: Future, labels: str, offset: int, count: int, functions: int) -> None:
+        """Wait for a pool task. A worker times each call itself (reward.timeout_s); this is the backstop for a
+        call that never returns to Python: past every call's limit plus a minute, the workers are killed and the
+        task's rows named."""
+        deadline = None if self.timeout_s is None else self.timeout_s * (count * functions + 1) + 60.0
+        t0 = time.monotonic()
+        while not future.done():
+            wait_s = PROGRESS_EVERY_S if deadline is None else min(PROGRESS_EVERY_S, deadline - (time.monotonic() - t0))
+            if wait_s <= 0:
+                for proc in list(getattr(self._pool, "_processes", {}).values()):
+                    with contextlib.suppress(Exception):
+                        proc.kill()
+                raise SmdInputError(f"reward.function: {labels}: no result for rows {offset}..{offset + count - 1} "
+                                    f"of the batch within reward.timeout_s={self.timeout_s:g} s per call (the worker "
+                                    "did not return to Python; it was killed)")
+            try:
+                future.result(timeout=wait_s)
+            except TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - reported by the caller
+                return
 
     def score(self, samples: list[RewardSample]) -> RewardResult:
         """submit + result."""

@@ -54,7 +54,7 @@ class Scoring:
             from stages.common.reward_functions import RewardScorer, load_reward_functions
 
             self.specs = load_reward_functions(reward.function, base_dir)
-            self.scorer = RewardScorer(self.specs, reward.weights, reward.workers)
+            self.scorer = RewardScorer(self.specs, reward.weights, reward.workers, timeout_s=reward.timeout_s)
             self.scorer.start()  # a pool's workers up before the stage's clock starts
     def __enter__(self) -> Scoring:
         return self
