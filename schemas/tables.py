@@ -83,10 +83,14 @@ KINDS = {"prompts": PROMPTS_SCHEMA, "trajectories": TRAJECTORIES_SCHEMA, "eval_p
 # Optional columns, written only when a table has them (issue 33), so every existing table stays valid:
 # - row_json: the data set row a prompt came from (task `dataset`), as JSON text: the prompt as given (a string or
 #   chat messages) and every other column, which the reward function receives; carried into the trajectories;
-# - reward_terms: with reward functions, each function's value for the row as JSON text {name: value or null}.
+# - reward_terms: with reward functions, each function's value for the row as JSON text {name: value or null};
+# - reward_extras: a verl function's dict return, its keys but "score" as JSON text {"<fn>/<key>": value} (verl's
+#   `reward_extra_info`), null for a row without any (issue 41).
 ROW_JSON = pa.field("row_json", pa.string(), nullable=True)
 REWARD_TERMS = pa.field("reward_terms", pa.string(), nullable=True)
-OPTIONAL_FIELDS = {"prompts": (ROW_JSON,), "trajectories": (ROW_JSON, REWARD_TERMS), "eval_predictions": (REWARD_TERMS,)}
+REWARD_EXTRAS = pa.field("reward_extras", pa.string(), nullable=True)
+OPTIONAL_FIELDS = {"prompts": (ROW_JSON,), "trajectories": (ROW_JSON, REWARD_TERMS, REWARD_EXTRAS),
+                   "eval_predictions": (REWARD_TERMS, REWARD_EXTRAS)}
 
 
 def schema_for(kind: str, columns: set[str] | list[str]) -> pa.Schema:

@@ -149,3 +149,24 @@ def test_the_dataset_task_needs_a_reward_function():
         load_params(None, ["reward.function=r.py:f", "reward.weights=[1, 2]"])
     p = load_params(None, ["reward.function=[r.py:f, r.py:g, math_verify]"])
     assert p.reward.files() == ["r.py"]
+
+
+def test_a_verl_parquet_without_reward_model_is_one_line_and_null_means_no_reference(word_model, tmp_path):
+    """A file whose rows have data_source is verl's layout: its reference is required (verl's reward manager reads
+    reward_model.ground_truth of every row); a TRL file (no data_source) has none, and reference_key null says so."""
+    rows = [{k: v for k, v in verl_row(i).items() if k != "reward_model"} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
+    path = tmp_path / "verl.parquet"
+    with pytest.raises(SmdInputError, match=r"verl.parquet:0: reward_model.ground_truth: missing in every row of a "
+                                            r"verl data set"):
+        run_prepare(cfg(f"prepare.train_file={path}", f"prepare.eval_file={path}"), word_model, tmp_path / "a", seed=0)
+    assert not (tmp_path / "a").exists()
+    table = pd.read_feather(run_prepare(cfg(f"prepare.train_file={path}", f"prepare.eval_file={path}",
+                                            "prepare.reference_key=null"), word_model, tmp_path / "b", seed=0)["train"])
+    assert list(table.reference) == ["", "", ""]
+    trl = [{k: v for k, v in r.items() if k != "data_source"} for r in rows]  # TRL's layout: no reference, no error
+    pq.write_table(pa.Table.from_pylist(trl), tmp_path / "trl.parquet")
+    path = tmp_path / "trl.parquet"
+    table = pd.read_feather(run_prepare(cfg(f"prepare.train_file={path}", f"prepare.eval_file={path}"), word_model,
+                                        tmp_path / "c", seed=0)["train"])
+    assert list(table.reference) == ["", "", ""]

@@ -81,6 +81,16 @@ def test_rollout_scores_with_the_users_functions_pool_or_not(model_dir, tmp_path
     values = details.get("values", details)
     assert values["rewards/compute_score/mean"] == pytest.approx(df.reward_terms.map(
         lambda t: json.loads(t)["compute_score"]).mean())
+    # the dict return's other keys (verl's reward_extra_info): per row in the table, their mean in details.json
+    assert [json.loads(e) for e in df.reward_extras] == [{"compute_score/source_ok": True}] * len(df)
+    assert values["rewards/compute_score/source_ok/mean"] == 1.0
+    from stages.progress.stage import iteration_row  # and in progress.json's rows, which TensorBoard draws
+
+    (tmp_path / "run" / "iter-001").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a", tmp_path / "run" / "iter-001" / "rollout")
+    row = iteration_row(tmp_path / "run", 1)
+    assert row["rewards/compute_score/source_ok/mean"] == 1.0
+    assert row["rewards/per_row/mean"] == values["rewards/per_row/mean"]
     # the same rewards from a pool of 2 processes
     pooled = run_rollout(rollout_params(rewards, "compute_score", "per_row", **{"reward.weights": "[2.0,0.5]",
                                                                                  "reward.workers": 2}),

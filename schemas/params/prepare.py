@@ -147,12 +147,13 @@ class PrepareParams(BaseModel):
         "other tasks' prompts, or a list of chat messages [{role, content}, ...] rendered with the policy's chat "
         "template (the tokenizer must have one). Dots reach into nested columns.",
     )
-    reference_key: str = Field(
+    reference_key: str | None = Field(
         "reward_model.ground_truth",
         description="dataset: the column holding the reference the reward function receives as `ground_truth` "
         "(verl's `reward_model.ground_truth`; dots reach into nested columns). When no row has the default key "
-        "(a TRL data set, whose reward functions read their own columns) the reference is empty; a key set here, "
-        "or the default present in some rows only, is required in every row.",
+        "(a TRL data set, whose reward functions read their own columns) the reference is empty, unless every row "
+        "has `data_source` (verl's layout, whose reward manager needs the reference: one line); a key set here, "
+        "or the default present in some rows only, is required in every row. null = no reference (empty).",
     )
     max_reference_chars: int = Field(
         0,

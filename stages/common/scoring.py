@@ -35,6 +35,9 @@ class Scored:
     rewards: list[float]
     exact_match: list[bool]
     terms: list[str] | None  # per row, each function's value as JSON {name: value or null}; None for built-ins
+    # per row, a verl dict return's other keys as JSON {"<fn>/<key>": value} (None for a row without); None: no
+    # function returned any (verl's reward_extra_info)
+    extras: list[str | None] | None = None
 
 
 def _row(prompt: dict[str, Any]) -> dict[str, Any] | None:
@@ -109,22 +112,42 @@ class Scoring:
         threshold = self.params.exact_match_threshold
         names = list(out.per_function)
         terms = [json.dumps({name: out.per_function[name][i] for name in names}) for i in range(len(out.rewards))]
-        return Scored([float(r) for r in out.rewards], [r >= threshold for r in out.rewards], terms)
+        extras = None
+        if out.extras:
+            rows = [{key: _jsonable(column[i]) for key, column in out.extras.items() if column[i] is not None}
+                    for i in range(len(out.rewards))]
+            extras = [json.dumps(row) if row else None for row in rows]
+        return Scored([float(r) for r in out.rewards], [r >= threshold for r in out.rewards], terms, extras)
 
     def score(self, prompts: list[dict[str, Any]], texts: list[str], ids: list[list[int]]) -> Scored:
         return self.result(self.submit(prompts, texts, ids))
 
 
+def _jsonable(value: Any) -> Any:
+    """A verl extra as JSON: numbers, bools, strings and None as they are (a numpy scalar as its item), anything
+    else as its text."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value if not (isinstance(value, float) and value != value) else None
+    return str(value)
+
+
 def concat(parts: list[Scored]) -> Scored:
     """Scores of several submitted batches, in submission order."""
     terms = None if any(p.terms is None for p in parts) else [t for p in parts for t in p.terms]
-    return Scored([r for p in parts for r in p.rewards], [e for p in parts for e in p.exact_match], terms)
+    extras = None
+    if any(p.extras is not None for p in parts):
+        extras = [e for p in parts for e in (p.extras if p.extras is not None else [None] * len(p.rewards))]
+    return Scored([r for p in parts for r in p.rewards], [e for p in parts for e in p.exact_match], terms, extras)
 
 
-def term_means(terms: list[str | None]) -> dict[str, float]:
+def term_means(terms: list[str | None], extras: list[str | None] | None = None) -> dict[str, float]:
     """TRL's per-function log lines over rows' `reward_terms`: `rewards/<name>/mean` and `rewards/<name>/std` over
     the values that are not None (TRL's `nanmean` / `nanstd`, trl/trainer/utils.py: the std with Bessel's
-    correction), plus `rewards/<name>/none_fraction` (the rows it scored None)."""
+    correction), plus `rewards/<name>/none_fraction` (the rows it scored None); and over rows' `reward_extras`
+    (a verl dict return's other keys), `rewards/<fn>/<key>/mean` of each numeric key (a bool as 0/1), over the rows
+    that have it, as verl averages its `reward_extra_info`."""
     from stages.common.reward_functions import nan_mean_std
 
     values: dict[str, list[float | None]] = {}
@@ -142,6 +165,13 @@ def term_means(terms: list[str | None]) -> dict[str, float]:
         if len(present) > 1:
             out[f"rewards/{name}/std"] = std
         out[f"rewards/{name}/none_fraction"] = 1 - len(present) / len(vals)
+    numeric: dict[str, list[float]] = {}
+    for raw in extras or []:
+        for key, value in (json.loads(raw) if raw else {}).items():
+            if isinstance(value, (bool, int, float)):
+                numeric.setdefault(key, []).append(float(value))
+    for key, vals in numeric.items():
+        out[f"rewards/{key}/mean"] = sum(vals) / len(vals)
     return out
 
 

@@ -106,8 +106,9 @@ def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: 
         for k, i in enumerate(batch):
             rows[i]["score"] = scored.rewards[k]
             rows[i]["exact_match"] = scored.exact_match[k]
-            if scored.terms is not None:
+            if scored.terms is not None:  # (reward_extras on every row: the table's columns follow its first row)
                 rows[i]["reward_terms"] = scored.terms[k]
+                rows[i]["reward_extras"] = scored.extras[k] if scored.extras is not None else None
     return rows
 
 
@@ -232,7 +233,8 @@ def run_evaluate(params: Params, iteration: int, policy_path: str | Path, eval_p
         })
         if scoring.scorer is not None:  # each reward function's mean per mode, as TRL logs `rewards/<name>/mean`
             for mode, mode_rows in (("dense", dense_rows), ("compressed", comp_rows)):
-                metrics.update({f"eval/{mode}/{k}": v for k, v in term_means([r["reward_terms"] for r in mode_rows]).items()})
+                means = term_means([r["reward_terms"] for r in mode_rows], [r.get("reward_extras") for r in mode_rows])
+                metrics.update({f"eval/{mode}/{k}": v for k, v in means.items()})
         write_table(rows, tmp / PREDICTIONS, "eval_predictions", config)
         write_metrics(tmp / "metrics.json", metrics, HEADLINE)
 

@@ -6,7 +6,10 @@ Rows come from JSON Lines, JSON (a list of rows), Parquet, or a directory writte
   `[{"role": ..., "content": ...}]` (TRL's conversational format, verl's `prompt` column), rendered with the
   policy's chat template with the assistant turn opened;
 - the reference, at `prepare.reference_key` (verl's `reward_model.ground_truth`); a TRL data set has none, and its
-  reference is empty (its reward functions read their own columns);
+  reference is empty (its reward functions read their own columns). A file whose rows all have `data_source` is
+  verl's layout (verl's preprocessing writes it in every row) and needs its reference: verl's reward manager reads
+  `reward_model["ground_truth"]` of every row (a KeyError without it), so a verl file without the column is one
+  line, not a TRL data set with empty references; `prepare.reference_key: null` says there is none;
 - every column, kept whole as JSON in the prompts table's `row_json`, which the rollout carries into the
   trajectories and hands to the reward function (TRL: each column as a keyword; verl: `data_source`, `extra_info`).
 
@@ -122,7 +125,7 @@ def _source_id(path: Path, number: int, row: dict[str, Any]) -> str:
     return f"{path.stem}-{number}"
 
 
-def load_rows(path: Path, prompt_key: str, reference_key: str) -> list[DatasetRow]:
+def load_rows(path: Path, prompt_key: str, reference_key: str | None) -> list[DatasetRow]:
     """Every row of `path` with its prompt and reference (module docstring); one line on a bad row."""
     records = read_rows(path)
     if not records:
@@ -130,14 +133,19 @@ def load_rows(path: Path, prompt_key: str, reference_key: str) -> list[DatasetRo
     for number, record in records:
         if not isinstance(record, dict):
             raise SmdInputError(f"{path}:{number}: <row>: expected an object of columns, got {type(record).__name__}")
-    # TRL data sets have no reference column: with the default key absent from every row, the reference is "".
-    optional_reference = reference_key == DEFAULT_REFERENCE_KEY and all(
-        lookup(record, reference_key) is _MISSING for _, record in records)
+    # TRL data sets have no reference column: with the default key absent from every row, the reference is "",
+    # unless the rows are verl's (data_source in every row), whose reward manager needs it (module docstring).
+    optional_reference = reference_key is None or (reference_key == DEFAULT_REFERENCE_KEY and all(
+        lookup(record, reference_key) is _MISSING for _, record in records))
+    if reference_key is not None and optional_reference and all("data_source" in r for _, r in records):
+        raise SmdInputError(f"{path}:{records[0][0]}: {reference_key}: missing in every row of a verl data set (its "
+                            "rows have data_source; verl's reward manager reads the reference there): set "
+                            "prepare.reference_key to the reference's column, or to null for none")
     rows = []
     for number, record in records:
         where = f"{path}:{number}"
         prompt = _prompt(where, prompt_key, lookup(record, prompt_key))
-        reference = lookup(record, reference_key)
+        reference = _MISSING if reference_key is None else lookup(record, reference_key)
         if reference is _MISSING and not optional_reference:
             raise SmdInputError(f"{where}: {reference_key}: missing (set prepare.reference_key to the column of the "
                                 "ground truth)")

@@ -9,6 +9,7 @@ run's TensorBoard view (`stages.progress.tensorboard`).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.feather as feather
@@ -32,6 +33,9 @@ HEADLINE = {
 }
 
 
+REWARD_MEAN = re.compile(r"(eval/(dense|compressed)/)?rewards/.+/mean")
+
+
 def _read(path: Path) -> dict:
     return read_json_object(path) if path.exists() else {}
 
@@ -45,6 +49,11 @@ def iteration_row(artifacts: Path, n: int) -> dict:
         for key in keys:
             if key in data and isinstance(data[key], int | float):
                 row[key] = data[key]
+        # with reward functions: each function's mean and a verl function's numeric extras (rewards/<fn>/<key>/mean),
+        # as TRL and verl log them, so TensorBoard shows them per iteration (issue 41)
+        for key, value in data.items():
+            if REWARD_MEAN.fullmatch(key) and isinstance(value, int | float) and not isinstance(value, bool):
+                row[key] = value
     return row
 
 

@@ -130,7 +130,7 @@ def run_rollout(params: Params, iteration: int, policy_path: str | Path, prompts
         # Wall time of the parallel phase: the slowest process's (they start together after `agree`).
         metrics = rollout_metrics(rows, iteration, max(s["seconds"] for s in summaries))
         if scoring.scorer is not None:  # each reward function's mean, as TRL logs `rewards/<name>/mean`
-            metrics.update(term_means([r.get("reward_terms") for r in rows]))
+            metrics.update(term_means([r.get("reward_terms") for r in rows], [r.get("reward_extras") for r in rows]))
         metrics["rollout/processes"] = ctx.world
         # CPU time of all processes while sampling: what data parallelism costs besides the cores it needs.
         metrics["rollout/cpu_seconds"] = float(sum(s["cpu_seconds"] for s in summaries))
@@ -257,6 +257,8 @@ def trajectory_row(prompt: dict[str, Any], group_index: int, iteration: int, res
         row["row_json"] = prompt["row_json"]
     if scored.terms is not None:
         row["reward_terms"] = scored.terms[k]
+    if scored.extras is not None:
+        row["reward_extras"] = scored.extras[k]
     return row
 
 
