@@ -176,6 +176,9 @@ def bench_learner_cmd(
     repeats: Annotated[int, typer.Option(min=1, help="With --group-size: runs per arm (the fastest counts).")] = 2,
     cores: Annotated[str | None, typer.Option(help="With --group-size: taskset core list of every arm (e.g. 0 or "
                                                    "0,1).")] = None,
+    lora_rank: Annotated[int | None, typer.Option(
+        min=1, help="LoRA of this rank (learner.lora) against full fine-tuning: one smd learner step each, step time "
+                    "and memory itemized (weights, AdamW state, working memory, peak); target peak <= 0.5x.")] = None,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
     if group_size is not None:
@@ -191,6 +194,13 @@ def bench_learner_cmd(
         return
     if model is not None:
         shape = str(model.resolve())
+    if lora_rank is not None:  # LoRA vs full fine-tuning (issue 43)
+        from stages.bench.learner import run_lora_bench
+
+        lens = [int(x) for x in lengths.split(",") if x.strip()] if lengths else None
+        guarded(lambda: run_lora_bench(shape, lora_rank, lens, rounds=rounds, block_size=block_size, threads=threads,
+                                       chunk_tokens=chunk_tokens, device=device, dtype=dtype))
+        return
     from stages.bench.learner import run_learner_bench
 
     def split(text: str | None) -> list[str] | None:

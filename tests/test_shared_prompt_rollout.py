@@ -127,3 +127,32 @@ def test_simulated_eviction_shares_the_prefill(model, policy):
     own, _ = _run(model, prompts, ev, share=False)
     for s, o in zip(shared, own, strict=True):
         assert s.response_ids == o.response_ids and np.array_equal(s.evict_at, o.evict_at)
+
+
+def test_paged_kv_tokens_of_a_group():
+    """vLLM's blocks per group: with prefix caching the prompt's full blocks once, the rest per sample."""
+    from stages.bench.rollout import grouped_kv_tokens, unshared_kv_tokens
+
+    assert grouped_kv_tokens(140, 16, 8, 1) == 140 + 8 * 16
+    assert unshared_kv_tokens(140, 16, 8, 1) == 8 * 156
+    assert grouped_kv_tokens(140, 16, 8, 16) == 128 + 8 * 32  # 12 prompt tokens + 16 new: two blocks each
+    assert unshared_kv_tokens(140, 16, 8, 16) == 8 * 160
+    assert grouped_kv_tokens(100, 10, 4, 128) == unshared_kv_tokens(100, 10, 4, 128) == 4 * 128
+
+
+def test_bench_rollout_groups_without_vllm(tmp_path):
+    """`bench rollout --model DIR --group-size G` (vLLM left out: tests/test_vllm_engine.py covers the engine):
+    every smd row makes P x G x new tokens; sharing leaves the per-group cache bytes as they are (step 1)."""
+    from stages.bench.rollout import bench_rollout_groups, group_prompts
+
+    prompts = group_prompts(5, 40, 100, seed=1)
+    assert all(37 <= len(p) <= 42 for p in prompts) and len({len(p) for p in prompts}) > 1
+    lines: list[str] = []
+    rows = bench_rollout_groups(make_model_dir(tmp_path, "gqa"), 3, [24], num_prompts=2, new_tokens=3, batch_size=4,
+                                repeats=1, engines=["smd-snapkv-shared", "smd-snapkv-per-sample", "smd-dense-shared"],
+                                print_fn=lines.append)
+    by = {r["engine"]: r for r in rows}
+    assert all(r["made"] == 2 * 3 * 3 for r in rows)
+    assert by["smd-snapkv-shared"]["kv_bytes_per_group"] == by["smd-snapkv-per-sample"]["kv_bytes_per_group"]
+    assert by["smd-snapkv-shared"]["kv_bytes_per_group"] < by["smd-dense-shared"]["kv_bytes_per_group"]
+    assert "torch threads" in lines[0] and "float32" in lines[0]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -335,4 +337,173 @@ def bench_rollout_model(model_dir: str | Path, lengths: list[int] | None = None,
     finally:
         if vllm is not None:
             vllm.close()
+    return rows
+
+
+# ------------------------------------------------------------------ the GRPO workload (issue 40): `--group-size G`
+# Rows of `bench_rollout_groups`: smd's engine with the group's prompt prefilled once (rollout.share_prompt) and per
+# sample, and vLLM sampling each prompt's G responses with `SamplingParams(n=G)`, its prefix caching on and off.
+GROUP_ENGINES = ("smd-snapkv-shared", "smd-snapkv-per-sample", "smd-dense-shared", "vllm-prefix-cache",
+                 "vllm-no-prefix-cache")
+
+
+def group_prompts(num_prompts: int, prompt_tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    """`num_prompts` random prompts of `prompt_tokens` +- 7% tokens (the spec's prompts differ in length, so smd's
+    batches are left-padded as in the rollout stage); another `seed` gives prompts no cache has seen."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    spread = max(1, prompt_tokens * 7 // 100)
+    lens = torch.randint(max(1, prompt_tokens - spread), prompt_tokens + spread + 1, (num_prompts,), generator=g,
+                         device="cpu").tolist()
+    return [torch.randint(4, vocab, (n,), generator=g, device="cpu").tolist() for n in lens]
+
+
+def grouped_kv_tokens(prompt_len: int, new_tokens: int, group_size: int, block_size: int) -> int:
+    """Tokens of KV cache one group holds in a paged cache with prefix caching (vLLM's automatic prefix caching,
+    SGLang's RadixAttention): the prompt's full blocks once, and per sample its prompt's partial last block
+    (only full blocks are shared) and its response, in whole blocks."""
+    shared = prompt_len // block_size * block_size
+    own = -(-(prompt_len - shared + new_tokens) // block_size) * block_size
+    return shared + group_size * own
+
+
+def unshared_kv_tokens(prompt_len: int, new_tokens: int, group_size: int, block_size: int) -> int:
+    """Tokens of KV cache one group holds in a paged cache without prefix caching: every sample its own blocks."""
+    return group_size * (-(-(prompt_len + new_tokens) // block_size) * block_size)
+
+
+def _smd_group_run(model, jobs: list[list[int]], eviction: EvictionParams, share: bool, new_tokens: int,
+                   batch_size: int, group_size: int) -> tuple[int, float]:
+    """smd's engine over the jobs, `batch_size` consecutive jobs per batch as the rollout stage runs them: (tokens
+    made, KV-cache bytes per group: the largest batch's slot tensors per sequence x G)."""
+    made, per_group = 0, 0.0
+    for s in range(0, len(jobs), batch_size):
+        batch = jobs[s: s + batch_size]
+        _, stats = generate_batch(model, batch, eviction, new_tokens, eos_token_id=None,
+                                  generator=torch.Generator(device="cpu").manual_seed(s), share_prompt=share)
+        made += stats.generated_tokens
+        per_group = max(per_group, stats.cache_bytes / len(batch) * group_size)
+    return made, per_group
+
+
+def _vllm_group_run(engine, prompts: list[list[int]], new_tokens: int, group_size: int) -> int:
+    """vLLM as GRPO users run it: one request per prompt with `n` = G samples (temperature 1, EOS ignored), all
+    requests in one call; its prefix cache is emptied first, so a run never reuses an earlier run's prompts."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine.llm.reset_prefix_cache()
+    params = SamplingParams(n=group_size, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return sum(len(sample.token_ids) for out in outputs for sample in out.outputs)
+
+
+def _fastest_runs(run, warmup, repeats: int) -> tuple[float, Any]:
+    """The untimed `warmup()` (first-call costs: allocation, kernel selection), then the fastest of `repeats`
+    timed `run()`s: (seconds, what that run returned)."""
+    warmup()
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = run()
+        dt = time.perf_counter() - t0
+        if dt < best:
+            best, out = dt, res
+    return best, out
+
+
+def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[int] | None = None,
+                         num_prompts: int = 16, keep_ratio: float = 0.5, new_tokens: int = 16, batch_size: int = 16,
+                         repeats: int = 2, engines: list[str] | None = None, print_fn=print) -> list[dict]:
+    """`smdctl bench rollout --model DIR --group-size G`: the GRPO workload, `num_prompts` prompts x G samples of
+    `new_tokens` each (temperature 1, EOS ignored), per prompt length in `lengths` (default the spec's 140), float32
+    on the CPU's cores this process may use (pin them with `taskset`; torch's thread count is printed).
+
+    Rows (`GROUP_ENGINES`): smd SnapKV at `keep_ratio` with the prompt prefilled once per group and per sample,
+    smd dense shared (`batch_size` consecutive jobs per batch, as rollout.batch_size), vLLM with
+    `SamplingParams(n=G)` and prefix caching on (a group's prompt computed and stored once: vLLM's automatic
+    prefix caching, the sharing SGLang's RadixAttention also does) and off, `batch_size` sequences decoded
+    together. Every engine runs an untimed warm-up (its first batch) first; the fastest of `repeats` runs counts;
+    every timed vLLM run starts with an empty prefix cache. smd's runs are interleaved; the two vLLM engines run
+    one after the other (one vLLM engine in a process at a time). KV bytes per group: smd's slot tensors (the
+    largest batch's, per sequence x G); vLLM's, the blocks a group holds (`grouped_kv_tokens`,
+    `unshared_kv_tokens`) at the longest prompt, and its tokens alone (a block of one token). Prints the table and
+    returns its rows."""
+    import os
+
+    from stages.common import vllm_sampler
+    from stages.common.model import load_policy
+
+    model_dir = Path(model_dir)
+    names = list(engines or GROUP_ENGINES)
+    for e in names:
+        if e not in GROUP_ENGINES:
+            raise SmdInputError(f"--engines: {e!r}; with --group-size choose from {', '.join(GROUP_ENGINES)}")
+    vllm_names = [e for e in names if e.startswith("vllm")]
+    if vllm_names and not vllm_sampler.available():
+        print_fn(f"vLLM is not installed: its rows are left out ({vllm_sampler.INSTALL_HINT})")
+        names = [e for e in names if e not in vllm_names]
+        vllm_names = []
+    model = load_policy(model_dir, "float32")
+    vocab = model.config.vocab_size
+    per_token = kv_bytes_per_token(model.config, 4)
+    lengths = lengths or [140]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    print_fn(f"{model_dir}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32 on the CPU, "
+             f"{torch.get_num_threads()} torch threads, cores {','.join(map(str, cores)) or '?'}; GRPO workload "
+             f"{num_prompts} prompts x G {group_size}, {new_tokens} new tokens each (temperature 1, EOS ignored), "
+             f"{batch_size} sequences decoded together; an untimed warm-up run per engine, then the fastest of "
+             f"{repeats}; every timed vLLM run starts with an empty prefix cache; SnapKV keep {keep_ratio}")
+    print_fn("KV MiB/group: what the engine holds for one group (smd: its slot tensors; vLLM: the blocks of "
+             "`block` tokens it allocates); token KV: vLLM's at a block of 1 token (the prompt once with prefix "
+             "caching, plus every response), smd's slot tensors again")
+    print_fn(f"{'prompt':>6} {'engine':>22} {'seconds':>8} {'tok/s':>7} {'x vllm-pc':>9} {'KV MiB/group':>12} "
+             f"{'KV x vllm-pc':>12} {'token KV MiB':>12} {'x vllm-pc':>9}")
+    rows: list[dict] = []
+    for T in lengths:
+        prompts = group_prompts(num_prompts, T, vocab, seed=T)
+        jobs = [p for p in prompts for _ in range(group_size)]  # as `group_jobs`: a group's samples adjacent
+        longest = max(map(len, prompts))
+        res: dict[str, dict[str, float]] = {}
+        smd = {"smd-snapkv-shared": (EvictionParams(policy="snapkv", keep_ratio=keep_ratio), True),
+               "smd-snapkv-per-sample": (EvictionParams(policy="snapkv", keep_ratio=keep_ratio), False),
+               "smd-dense-shared": (EvictionParams(policy="dense"), True)}
+        smd_names = [e for e in names if e in smd]
+        for e in smd_names:  # warm-up: each engine's first batch
+            ev, share = smd[e]
+            _smd_group_run(model, jobs[:batch_size], ev, share, new_tokens, batch_size, group_size)
+        for _ in range(repeats):
+            for e in smd_names:
+                ev, share = smd[e]
+                t0 = time.perf_counter()
+                made, kv = _smd_group_run(model, jobs, ev, share, new_tokens, batch_size, group_size)
+                dt = time.perf_counter() - t0
+                if dt < res.get(e, {}).get("seconds", float("inf")):
+                    res[e] = {"seconds": dt, "made": made, "kv_bytes_per_group": kv, "token_kv_bytes_per_group": kv}
+        for e in vllm_names:
+            caching = e == "vllm-prefix-cache"
+            engine = vllm_sampler.VllmEngine(model_dir, "float32", longest + new_tokens + 1, batch_size,
+                                             prefix_caching=caching)
+            try:
+                block = int(engine.llm.llm_engine.vllm_config.cache_config.block_size)
+                warm = prompts[: max(1, batch_size // group_size)]  # the first batch's groups
+                dt, made = _fastest_runs(partial(_vllm_group_run, engine, prompts, new_tokens, group_size),
+                                         partial(_vllm_group_run, engine, warm, new_tokens, group_size), repeats)
+            finally:
+                engine.close()
+            kv_tokens = grouped_kv_tokens if caching else unshared_kv_tokens
+            res[e] = {"seconds": dt, "made": made, "block_size": block,
+                      "kv_bytes_per_group": kv_tokens(longest, new_tokens, group_size, block) * per_token,
+                      "token_kv_bytes_per_group": kv_tokens(longest, new_tokens, group_size, 1) * per_token}
+        ref = res.get("vllm-prefix-cache")
+        for e in names:
+            r = res[e]
+            rate = r["made"] / r["seconds"]
+            vs = rate / (ref["made"] / ref["seconds"]) if ref else float("nan")
+            kv_vs = r["kv_bytes_per_group"] / ref["kv_bytes_per_group"] if ref else float("nan")
+            tok_vs = r["token_kv_bytes_per_group"] / ref["token_kv_bytes_per_group"] if ref else float("nan")
+            rows.append({"prompt_tokens": T, "engine": e, "group_size": group_size, "prompts": num_prompts,
+                         "new_tokens": new_tokens, "tokens_per_s": rate, "vs_vllm_prefix_cache": vs,
+                         "kv_vs_vllm_prefix_cache": kv_vs, "token_kv_vs_vllm_prefix_cache": tok_vs, **r})
+            print_fn(f"{T:>6} {e:>22} {r['seconds']:>8.2f} {rate:>7.1f} {vs:>9.2f} "
+                     f"{r['kv_bytes_per_group'] / 2**20:>12.2f} {kv_vs:>12.2f} "
+                     f"{r['token_kv_bytes_per_group'] / 2**20:>12.2f} {tok_vs:>9.2f}")
     return rows

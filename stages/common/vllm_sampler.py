@@ -128,9 +128,14 @@ class VllmEngine:
     a process of its own: one per stage under `dvc repro`, a spawned child under `smdctl chain`
     (cli/chain.in_own_process). Under the multi-process launcher it refuses: vLLM batches on its own, one
     process per stage.
+
+    `prefix_caching`: vLLM's automatic prefix caching (its default, on): requests that share a prompt prefix, as a
+    GRPO group's `n` samples do, reuse its KV blocks. It persists across calls: a bench that times a prompt it
+    already ran measures a cache hit unless it calls `llm.reset_prefix_cache()` first (issue 40).
     """
 
-    def __init__(self, policy_dir: str | Path, dtype: str, max_model_len: int, max_num_seqs: int, seed: int = 0):
+    def __init__(self, policy_dir: str | Path, dtype: str, max_model_len: int, max_num_seqs: int, seed: int = 0,
+                 prefix_caching: bool = True):
         if not available():
             raise SmdInputError(f"engine vllm: vLLM is not installed ({INSTALL_HINT})")
         import torch
@@ -170,6 +175,7 @@ class VllmEngine:
                 max_num_seqs=max_num_seqs,
                 kv_cache_memory_bytes=kv_cache_bytes(config, dtype_bytes, max_model_len, max_num_seqs),
                 logprobs_mode="processed_logprobs",
+                enable_prefix_caching=prefix_caching,
                 **_cpu_scheduling(max_model_len, max_num_seqs),
             )
         finally:
