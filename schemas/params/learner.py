@@ -55,6 +55,36 @@ def float32_parity_bound(max_abs_logit: float, temperature: float = 1.0) -> floa
     return PARITY_EPS_FACTOR * FLOAT32_EPS * max(1.0, max_abs_logit / temperature)
 
 
+class LoraParams(BaseModel):
+    """`learner.lora:` LoRA adapters trained in place of the full weights (Hu et al. 2021, "LoRA: Low-Rank
+    Adaptation of Large Language Models"), through PEFT's `LoraConfig` (the fields are its `r`, `lora_alpha`,
+    `target_modules` and `lora_dropout`; TRL's GRPOTrainer takes the same config as `peft_config`, verl the rank as
+    `lora_rank`, OpenRLHF as `--lora_rank`). Defaults follow TRL's and verl's LoRA examples (r 16, alpha 32, every
+    linear layer of the decoder). The base stays frozen; rollout and evaluation sample from the merged weights
+    W + (alpha / rank) B A (`stages.common.lora`), the learner trains B and A in the adapter form
+    (`stages.learner.lora`; docs/design.md, LoRA)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(16, ge=1, description="The adapters' rank r (PEFT's `r`; verl's `lora_rank`).")
+    alpha: float = Field(
+        32.0, gt=0.0, description="PEFT's `lora_alpha`: the update B A is scaled by alpha / rank (TRL's and "
+        "verl's examples use alpha = 2 x rank).",
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="PEFT's `target_modules`: module names (suffixes, e.g. [q_proj, v_proj]) or `all-linear` "
+        "(every linear layer of the decoder, the lm head excluded: PEFT's rule, verl's default). The lm head and "
+        "the embeddings cannot be adapted (the learner scores through the head's plain weight).",
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="PEFT's `lora_dropout` on the adapters' input, active in the learner's forward with gradient "
+        "only. 0 (the default) keeps smd strictly on-policy: with dropout > 0 the learner's forward is not the "
+        "policy that sampled, so the parity gate refuses it for smd and shadow (one line); the dense objectives "
+        "accept it.",
+    )
+
+
 class LearnerParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     objective: Objective = Field(
@@ -312,6 +342,18 @@ class LearnerParams(BaseModel):
         True,
         description="Continue the optimizer state (AdamW moments, step counter, RNG) saved in the starting "
         "policy's `trainer_state/` when present (same number of processes and ZeRO stage).",
+    )
+    lora: LoraParams | None = Field(
+        None,
+        description="LoRA adapters instead of full fine-tuning (`LoraParams`: rank, alpha, target_modules, "
+        "dropout); null = full fine-tuning (the default). Each iteration's policy is then the adapter in PEFT's "
+        "format plus a record of its base (path and weights digest, `lora_base.json`): the first learn call adds "
+        "a fresh adapter to the policy it starts from (B = 0: the same policy), the next ones continue the "
+        "adapter of theirs and its AdamW state (the adapter's parameters only). The reference of `ref_kl_coef` "
+        "and the teacher of `kl_teacher: reference` are the base with the adapter disabled (PEFT's "
+        "`disable_adapter()`, as TRL computes its reference under PEFT: no second model; `reference_path` is not "
+        "read); `kl_teacher: ema` is not supported with it. `smdctl merge-lora` writes the merged weights as a "
+        "plain model.",
     )
     reference_path: str = Field(
         "artifacts/warmstart/policy",

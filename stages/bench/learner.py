@@ -564,10 +564,156 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
     return rows
 
 
+
+# ------------------------------------------------------------------------------------------ LoRA (issue 43)
+class _LoraLearner(_Learner):
+    """`_Learner` with PEFT's LoRA adapters (rank `lora_rank`, alpha 2 x rank, every linear layer of the decoder:
+    `learner.lora`'s defaults, stages/learner/lora.py) on the frozen model, and AdamW over the adapters only, as
+    `smdctl learn` builds them under `learner.lora`. `lora_rank` None: full fine-tuning, as `_Learner`."""
+
+    def __init__(self, T: int, block_size: int, threads: int, shape: str, lora_rank: int | None,
+                 chunk_tokens: int | None = None, device: str = "cpu", dtype: str = "float32"):
+        import torch
+
+        super().__init__(T, block_size, threads, shape, chunk_tokens, device=device, dtype=dtype)
+        if lora_rank:
+            from schemas.params.learner import LoraParams
+            from stages.learner.lora import lora_config
+
+            peft = __import__("peft")
+            config = lora_config(LoraParams(rank=lora_rank, alpha=2.0 * lora_rank))
+            self.peft_model = peft.get_peft_model(self.model, config, autocast_adapter_dtype=False).eval()
+            self.model = self.peft_model.get_base_model()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=1e-6)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _child_lora(mode: str, T: int, block_size: int, threads: int, shape: str, lora_rank: int | None, rounds: int,
+                chunk_tokens: int | None = None, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+    """One learner (`mode`, full fine-tuning or LoRA of `lora_rank`) alone in this process: a warm-up step (AdamW
+    allocates its state), one step whose memory is measured, then `rounds` timed steps (median). Memory itemized:
+    weights, trainable parameters (their gradients are as large), AdamW state, the step's working memory (peak
+    minus before it: activations, gradients, temporaries), and the process's peak (CPU: VmHWM, the runtime
+    included; CUDA: the peak allocation)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    learner = _LoraLearner(T, block_size, threads, shape, lora_rank, chunk_tokens, device=device, dtype=dtype)
+    params = list(learner.model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    learner.step(mode)
+    optimizer = [t for state in learner.opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    if cuda:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        _malloc_live_tracking()
+        gc.collect()
+        can_reset = _reset_peak()
+        base = _status_kib("VmRSS") * 1024
+    learner.step(mode)
+    if cuda:
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        working = peak - base
+    else:
+        peak = _status_kib("VmHWM") * 1024
+        working = peak - base if can_reset else float("nan")
+    times = []
+    for _ in range(max(rounds, 1)):
+        t0 = time.perf_counter()
+        learner.step(mode)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    mib = 2.0**20
+    return {"step_s": statistics.median(times), "times": times, "weights_mb": _bytes(params) / mib,
+            "trainable": sum(p.numel() for p in trainable), "trainable_mb": _bytes(trainable) / mib,
+            "optimizer_mb": _bytes(optimizer) / mib, "working_mb": working / mib, "peak_mb": peak / mib}
+
+
+def run_lora_bench(shape: str, lora_rank: int, lengths=None, rounds: int = 3, block_size: int = 128, threads: int = 1,
+                   timeout_s: int = 3600, print_fn=print, chunk_tokens: int | None = None, device: str = "cpu",
+                   dtype: str = "float32") -> list[dict[str, Any]]:
+    """`smdctl bench learner --lora-rank R`: one smd learner step (the shadow-masked policy with gradient and the
+    dense teacher, as `smdctl learn` runs it: sdpa on the CPU, flex on CUDA) with full fine-tuning and with LoRA of
+    rank R, per T each in its own process (CPU) or one after the other (CUDA): step time, and memory itemized
+    (`_child_lora`). Target (issue 43): LoRA's peak <= 0.5 x full fine-tuning's at the SmolLM2 shape."""
+    from schemas.errors import SmdInputError
+    from stages.common.model import DTYPES, resolve_device
+
+    where = resolve_device(device)
+    if dtype not in DTYPES:
+        raise SmdInputError(f"bench learner: dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if shape not in SHAPES and not is_model_dir(shape):
+        raise SmdInputError(f"bench learner: unknown shape {shape!r}; choose from {', '.join(SHAPES)} or give a model "
+                            "directory (--model)")
+    if lora_rank < 1:
+        raise SmdInputError(f"bench learner: --lora-rank {lora_rank}: must be >= 1")
+    defaults = MODEL_DEFAULTS if is_model_dir(shape) else SHAPE_DEFAULTS[shape]
+    lengths = list(lengths or defaults["lengths"])
+    if not lengths or min(lengths) < 16:
+        raise SmdInputError("bench learner: lengths must be >= 16 tokens")
+    mode = "smd_flex" if where.type == "cuda" else "smd_sdpa"
+    peak_what = "peak CUDA allocation" if where.type == "cuda" else "peak RSS of the process (runtime included)"
+    print_fn(f"bench learner, LoRA rank {lora_rank} (alpha {2 * lora_rank}, all linear layers) vs full fine-tuning: "
+             f"{describe_shape(shape)}, {weights_note(shape)}1 sequence of T tokens (prompt 3T/4), SnapKV-like masks "
+             f"keep 0.5, learner {LABELS[mode]} (teacher + masked policy), {dtype} on {where}, {threads or 'default'} "
+             f"thread(s). Step = forward + backward + AdamW, median of {rounds} after a warm-up; work = the step's "
+             f"working memory (activations, gradients); held = weights + AdamW + work; peak = {peak_what}")
+    print_fn(f"{'T':>5}  {'learner':<14}{'trainable':>12}{'weights':>9}{'AdamW':>9}{'work':>9}{'held':>9}{'peak MiB':>10}"
+             f"{'x full':>8}{'step s':>8}{'x full':>8}")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    rows: list[dict[str, Any]] = []
+    for T in lengths:
+        per: dict[str, dict[str, Any]] = {}
+        for name, rank in (("full", None), (f"lora r{lora_rank}", lora_rank)):
+            args = {"kind": "lora", "mode": mode, "T": T, "block_size": block_size, "threads": threads,
+                    "shape": shape, "lora_rank": rank, "rounds": rounds, "chunk_tokens": chunk_tokens,
+                    "device": str(where), "dtype": dtype}
+            if where.type == "cuda":
+                out, err = _child_lora(mode, T, block_size, 0, shape, rank, rounds, chunk_tokens, str(where), dtype), ""
+                gc.collect()
+                __import__("torch").cuda.empty_cache()
+            else:
+                out, err = _run_child(args, env, timeout_s)
+            if out is None:
+                print_fn(f"{T:>5}  {name:<14} failed: {err}")
+                continue
+            per[name] = {"T": T, "learner": name, "lora_rank": rank, **out}
+        full = per.get("full")
+        for name, r in per.items():
+            r["mem_ratio"] = _ratio(r["peak_mb"], full["peak_mb"]) if full else float("nan")
+            r["time_ratio"] = _ratio(r["step_s"], full["step_s"]) if full else float("nan")
+            r["held_mb"] = r["weights_mb"] + r["optimizer_mb"] + r["working_mb"]
+            rows.append(r)
+            print_fn(f"{T:>5}  {name:<14}{r['trainable']:>12,}{r['weights_mb']:>9.0f}{r['optimizer_mb']:>9.1f}"
+                     f"{r['working_mb']:>9.0f}{r['held_mb']:>9.0f}{r['peak_mb']:>10.0f}{r['mem_ratio']:>7.2f}x{r['step_s']:>8.3f}"
+                     f"{r['time_ratio']:>7.2f}x")
+    picked = [r for r in rows if r["lora_rank"]]
+    if picked:
+        worst = max(picked, key=lambda r: r["mem_ratio"])
+        verdict = "PASS" if worst["mem_ratio"] <= LORA_TARGET_MEMORY else "MISS"
+        print_fn(f"target LoRA peak memory <= {LORA_TARGET_MEMORY}x full fine-tuning: worst {worst['mem_ratio']:.2f}x "
+                 f"at T={worst['T']} -> {verdict}")
+    return rows
+
+
+LORA_TARGET_MEMORY = 0.5
+
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     extra = {"shape": args.get("shape", "tiny"), "chunk_tokens": args.get("chunk_tokens")}
-    if args["kind"] == "time":
+    if args["kind"] == "lora":
+        out = _child_lora(args["mode"], args["T"], args["block_size"], args["threads"], args["shape"],
+                          args["lora_rank"], args["rounds"], args.get("chunk_tokens"), args["device"], args["dtype"])
+    elif args["kind"] == "time":
         out = _child_time(args["modes"], args["T"], args["rounds"], args["block_size"], args["threads"], **extra)
     else:
         out = _child_memory(args["mode"], args["T"], args["block_size"], args["threads"], **extra)
