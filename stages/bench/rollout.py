@@ -210,6 +210,9 @@ class _ModelEngines:
         if engine == "vllm":
             from stages.common.vllm_sampler import kv_cache_bytes
 
+            # Cold: every run here repeats prompts an earlier run used (the rounds, the one-token prefill run), and
+            # vLLM's prefix cache would serve them without a prefill (issue 40: the old column measured that hit).
+            self.vllm.llm.reset_prefix_cache()
             out = self.vllm.generate(prompts, new_tokens, None, 1.0, list(range(len(prompts))))
             cfg = json.loads((self.model_dir / "config.json").read_text())
             kv = kv_cache_bytes(cfg, next(self.model.parameters()).element_size(),

@@ -69,10 +69,24 @@ class RolloutState:
     prefill_first: torch.Tensor | None = None
     # Left padding of the rows the prefill forward runs ([U] when shared, else prompt_pad).
     prefill_pad: torch.Tensor | None = None
+    # Shared prompt storage (prompt_slots > 0: shared prompts, where it saves bytes): each layer stores a
+    # distinct prompt's kept slots once, [U, H, prompt_slots, D], and every row its own `decode_slots` slots
+    # [B, H, decode_slots, D]. A row's LayerSlots cover both, prompt slots first: its visibility over its prompt's slots (-1 = not stored for
+    # this prompt, or evicted by this row), then its own. `group_rows` [U, n]: the rows of each distinct prompt
+    # (padded with its first row); `group_index` [B]: where each row sits in `group_rows` flattened.
+    prompt_slots: int = 0
+    decode_slots: int = 0
+    group_rows: torch.Tensor | None = None
+    group_index: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
         return self.schedule.capacity
+
+    @property
+    def shares_storage(self) -> bool:
+        """Whether the batch's prompts are stored once per distinct prompt (`prompt_slots`)."""
+        return self.prompt_slots > 0
 
     @property
     def device(self) -> torch.device:
@@ -97,7 +111,8 @@ class RolloutState:
 
 
 class EvictingLayer(CacheLayerMixin):
-    """One layer's physical cache: keys/values [B, H, capacity, D] plus slot positions."""
+    """One layer's physical cache: keys/values [B, H, capacity, D] plus slot positions; with shared prompts, a
+    distinct prompt's kept keys/values [U, H, prompt_slots, D] once and each row's own [B, H, decode_slots, D]."""
 
     is_compileable = False
     is_sliding = False
@@ -108,11 +123,14 @@ class EvictingLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.prompt_keys: torch.Tensor | None = None
+        self.prompt_values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states, value_states):
         _, H, _, D = key_states.shape
-        B = len(self.state.prompt_lens_host)  # every row, also when the prefill ran on the distinct prompts only
-        C = self.state.capacity
+        st = self.state
+        B = len(st.prompt_lens_host)  # every row, also when the prefill ran on the distinct prompts only
+        C = st.decode_slots if st.shares_storage else st.capacity
         self.keys = key_states.new_zeros(B, H, C, D)
         self.values = value_states.new_zeros(B, H, C, D)
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -127,20 +145,21 @@ class EvictingLayer(CacheLayerMixin):
             self.pending = (key_states, value_states)
             return key_states, value_states
         slots = st.slots[self.layer_idx]
-        free = slots.slot_pos < 0
-        slot_idx = free.to(torch.int8).argmax(dim=-1)  # first free slot per (b, h)
+        first = st.prompt_slots  # a row's own slots follow its prompt's (0 without shared prompts)
+        free = slots.slot_pos[..., first:] < 0
+        slot_idx = free.to(torch.int8).argmax(dim=-1)  # first free own slot per (b, h)
         B, H = slot_idx.shape
         b_idx = torch.arange(B, device=slot_idx.device).repeat_interleave(H)
         h_idx = torch.arange(H, device=slot_idx.device).repeat(B)
         s_idx = slot_idx.reshape(-1)
         self.keys[b_idx, h_idx, s_idx] = key_states[:, :, 0].reshape(B * H, -1)
         self.values[b_idx, h_idx, s_idx] = value_states[:, :, 0].reshape(B * H, -1)
-        slots.slot_pos[b_idx, h_idx, s_idx] = st.current_pos[b_idx]
-        st.policy.on_insert(self.layer_idx, slots, b_idx, h_idx, s_idx)
+        slots.slot_pos[b_idx, h_idx, s_idx + first] = st.current_pos[b_idx]
+        st.policy.on_insert(self.layer_idx, slots, b_idx, h_idx, s_idx + first)
         return self.keys, self.values
 
     def finish_prefill(self, keep_idx: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Copy the kept prompt keys (indices into the prompt axis, [B or U, H, C]) into the slots.
+        """Copy the kept prompt keys (indices into the prompt axis, [B or U, H, C]) into each row's slots.
 
         `rows` [B]: the prefill ran on U distinct prompts (pending keys [U, H, P, D]) and row b takes prompt
         rows[b]. A selection per distinct prompt ([U, H, C]) is gathered once, then copied to its rows; a
@@ -157,6 +176,16 @@ class EvictingLayer(CacheLayerMixin):
         self.values.copy_(kept_v)
         self.pending = None
 
+    def store_prompts(self, keep_idx: torch.Tensor | None) -> None:
+        """Shared prompts: keep each distinct prompt's kept keys once (indices into the prompt axis [U, H,
+        prompt_slots]; None keeps the whole prompt, for a policy whose rows select on their own)."""
+        k, v = self.pending
+        if keep_idx is not None:
+            idx = keep_idx.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+            k, v = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
+        self.prompt_keys, self.prompt_values = k.contiguous(), v.contiguous()
+        self.pending = None
+
     def get_seq_length(self) -> int:
         return self.state.seq_length  # host-side: asking the device would sync every layer
 
@@ -167,7 +196,8 @@ class EvictingLayer(CacheLayerMixin):
         return self.state.capacity
 
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        own = 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return own + (0 if self.prompt_keys is None else self.prompt_keys.nbytes + self.prompt_values.nbytes)
 
 
 class EvictingCache(Cache):
@@ -212,7 +242,7 @@ def rollout_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if st.phase == "prefill":
         out = prefill_attention(st, module.layer_idx, query, key, value, scaling, kwargs["smd_rollout_cache"])
     else:
-        out = decode_attention(st, module.layer_idx, query, key, value, scaling)
+        out = decode_attention(st, module.layer_idx, query, key, value, scaling, kwargs["smd_rollout_cache"])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -221,28 +251,47 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
     keys move into the layer's slots. Returns the attention output [B, Hq, P, D] (or [U, ...]: the distinct
     prompts, when shared).
 
-    Shared prompts (`st.prefill_rows`): a prompt's keys, values and attention are the same for every sample of
-    its group, so a policy whose prefill selection depends on the prompt alone selects once per distinct prompt
-    and its rows copy the result (slots, per-slot state, evict_at); random eviction draws per row, so its rows
-    select from their prompt's observed attention one by one."""
+    Shared prompts (`st.prefill_rows`, docs/design.md §3c): a prompt's keys, values and attention are the same for
+    every sample of its group. A policy whose prefill selection depends on the prompt alone selects once per
+    distinct prompt; the prompt's kept slots are stored once and each row starts with them all visible (its own
+    copy of the slot positions and the policy's per-slot state). Random eviction draws per row: the whole prompt is
+    stored once and each row's selection is its visibility over it. Where storing once would not save bytes
+    (`shared_slot_counts`), each row stores its own copy of the kept slots, as without sharing."""
     out, attn_obs = _prefill_output(st, query, key, value, scaling)
     rows, H, P = st.prefill_rows, key.shape[1], key.shape[2]
-    if rows is None or st.policy.prefill_per_row:
-        if rows is not None and attn_obs is not None:
-            attn_obs = attn_obs.index_select(0, rows)
+    layer_cache = cache.layers[layer]
+    if rows is None:
         slots = _select_prompt_slots(st, layer, _prompt_slots(st.prompt_pad, H, P), attn_obs, st.step_keep,
                                      st.step_window, st.prompt_lens, st.evict_at[layer])
         st.slots[layer], order = _front_slots(slots, st.capacity)
+        layer_cache.finish_prefill(order)
+        return out
+    if st.policy.prefill_per_row:
+        if attn_obs is not None:
+            attn_obs = attn_obs.index_select(0, rows)
+        slots = _select_prompt_slots(st, layer, _prompt_slots(st.prompt_pad, H, P), attn_obs, st.step_keep,
+                                     st.step_window, st.prompt_lens, st.evict_at[layer])
+        if st.shares_storage:  # slot s is prompt position s (left-padded) of the row's prompt, stored whole
+            st.slots[layer] = with_own_slots(slots, st.decode_slots)
+            layer_cache.store_prompts(None)
+        else:
+            st.slots[layer], order = _front_slots(slots, st.capacity)
+            layer_cache.finish_prefill(order, rows)
+        return out
+    first = st.prefill_first
+    evict_at = st.evict_at.new_full((len(first), *st.evict_at.shape[2:]), -1)
+    slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad, H, P), attn_obs,
+                                 st.step_keep.index_select(0, first), st.step_window.index_select(0, first),
+                                 st.prompt_lens.index_select(0, first), evict_at)
+    st.evict_at[layer].copy_(evict_at.index_select(0, rows))  # before prefill every entry is -1
+    if st.shares_storage:
+        slots, order = _front_slots(slots, st.prompt_slots)
+        st.slots[layer] = with_own_slots(rows_of(slots, rows), st.decode_slots)
+        layer_cache.store_prompts(order)
     else:
-        first = st.prefill_first
-        evict_at = st.evict_at.new_full((len(first), *st.evict_at.shape[2:]), -1)
-        slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad, H, P), attn_obs,
-                                     st.step_keep.index_select(0, first), st.step_window.index_select(0, first),
-                                     st.prompt_lens.index_select(0, first), evict_at)
-        st.evict_at[layer].copy_(evict_at.index_select(0, rows))  # before prefill every entry is -1
         slots, order = _front_slots(slots, st.capacity)
         st.slots[layer] = rows_of(slots, rows)
-    cache.layers[layer].finish_prefill(order, rows)
+        layer_cache.finish_prefill(order, rows)
     return out
 
 
@@ -256,6 +305,16 @@ def _select_prompt_slots(st: RolloutState, layer: int, slots: LayerSlots, attn_o
     if st.policy.evicts:
         evict(slots, st.policy.scores(layer, slots), keep, prompt_lens - 1, st.eviction["sinks"], window, evict_at)
     return slots
+
+
+def with_own_slots(slots: LayerSlots, own: int) -> LayerSlots:
+    """A row's slots over its shared prompt followed by `own` empty slots of its own (position -1, per-slot state
+    0): the layout `decode_attention` reads with shared prompts."""
+    pos = slots.slot_pos
+    empty = pos.new_full((*pos.shape[:2], own), -1)
+    extra = {name: torch.cat([t, t.new_zeros(*t.shape[:2], own, *t.shape[3:])], dim=2)
+             for name, t in slots.extra.items()}
+    return LayerSlots(slot_pos=torch.cat([pos, empty], dim=-1), extra=extra)
 
 
 def rows_of(slots: LayerSlots, rows: torch.Tensor) -> LayerSlots:
@@ -370,13 +429,19 @@ def sdpa_gqa(query, key, value, scaling: float, mask: torch.Tensor | None = None
     raise ValueError(f"unknown SDPA layout {layout!r}")
 
 
-def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: float):
+def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: float, cache: EvictingCache):
     """One query per sequence over the layer's slots (the new key already inserted); then evict down to the
     step's keep count. Returns the attention output [B, Hq, 1, D]."""
     slots = st.slots[layer]
     H = key.shape[1]
     valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
-    if st.policy.needs_attention != "none" and st.evicts_while_decoding:
+    if st.shares_storage:
+        lay = cache.layers[layer]
+        out, probs = attend_shared_prompt(query, lay.prompt_keys, lay.prompt_values, key, value, valid, scaling,
+                                          st.group_rows, st.group_index)
+        if st.policy.needs_attention != "none" and st.evicts_while_decoding:
+            st.policy.observe_decode(layer, slots, probs)
+    elif st.policy.needs_attention != "none" and st.evicts_while_decoding:
         out, probs = _attend_grouped(query, key, value, valid, scaling, H)
         st.policy.observe_decode(layer, slots, probs)
     else:
@@ -386,6 +451,47 @@ def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: f
         evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.step_window,
               st.evict_at[layer], at_most_one=st.step_excess <= 1)
     return out
+
+
+def _to_groups(x: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
+    """Rows [B, H, g, X] -> each distinct prompt's rows as queries [U, H, n * g, X] (`group_rows` [U, n])."""
+    U, n = group_rows.shape
+    _, H, g, X = x.shape
+    return x.index_select(0, group_rows.reshape(-1)).view(U, n, H, g, X).transpose(1, 2).reshape(U, H, n * g, X)
+
+
+def _from_groups(x: torch.Tensor, group_index: torch.Tensor, g: int) -> torch.Tensor:
+    """The inverse of `_to_groups`: [U, H, n * g, X] -> rows [B, H, g, X] (`group_index` [B] into U x n)."""
+    U, H, ng, X = x.shape
+    return x.view(U, H, ng // g, g, X).transpose(1, 2).reshape(U * (ng // g), H, g, X).index_select(0, group_index)
+
+
+def attend_shared_prompt(query, prompt_keys, prompt_values, keys, values, mask, scaling: float,
+                         group_rows: torch.Tensor, group_index: torch.Tensor):
+    """One decoding query per row over two key sets: its distinct prompt's slots, stored once per group
+    ([U, H, Cp, D]), and its own slots ([B, H, Cd, D]); `mask` [B, H, 1, Cp + Cd] is the row's visibility
+    (a prompt slot the row evicted is hidden from it alone). One softmax over both sets, as over one cache.
+
+    The prompt's scores and output run as one matmul per distinct prompt whose queries are all its rows' query
+    heads (`_to_groups`), so the shared keys are read once per group and never copied per row: the decode-time
+    counterpart of Prefix Grouper's shared-prefix attention (arXiv 2506.05433) and of the shared prefix blocks
+    of vLLM's prefix caching / SGLang's RadixAttention, here with a per-row mask over the shared slots.
+    query [B, Hq, 1, D] -> (output [B, Hq, 1, D], probabilities summed per GQA group [B, H, 1, Cp + Cd] float32).
+    """
+    B, Hq, _, D = query.shape
+    H, Cp = keys.shape[1], prompt_keys.shape[2]
+    g = Hq // H
+    q = query.reshape(B, H, g, D)
+    prompt_scores = _from_groups(torch.matmul(_to_groups(q, group_rows), prompt_keys.transpose(-1, -2)),
+                                 group_index, g)
+    own_scores = torch.matmul(q, keys.transpose(-1, -2))
+    scores = torch.cat([prompt_scores, own_scores], dim=-1).float().mul_(scaling)  # [B, H, g, Cp + Cd]
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    p = probs.to(values.dtype)
+    prompt_out = _from_groups(torch.matmul(_to_groups(p[..., :Cp], group_rows), prompt_values), group_index, g)
+    out = prompt_out + torch.matmul(p[..., Cp:], values)
+    return out.reshape(B, Hq, 1, values.shape[-1]), probs.sum(dim=2, keepdim=True)
 
 
 AttentionInterface.register(ROLLOUT_ATTENTION, rollout_attention)
@@ -542,6 +648,29 @@ def distinct_prompts(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
     return first, rows
 
 
+def prompt_groups(rows: list[int], num_prompts: int) -> tuple[list[list[int]], list[int]]:
+    """The rows of each distinct prompt, padded to the largest group with the group's first row ([U][n]), and
+    where each row sits in that table flattened ([B]: u * n + j): the layout `attend_shared_prompt` batches a
+    group's queries in."""
+    groups: list[list[int]] = [[] for _ in range(num_prompts)]
+    index = []
+    for b, u in enumerate(rows):
+        index.append((u, len(groups[u])))
+        groups[u].append(b)
+    n = max(map(len, groups))
+    return [grp + [grp[0]] * (n - len(grp)) for grp in groups], [u * n + j for u, j in index]
+
+
+def shared_slot_counts(prompt_len: int, schedule: BudgetSchedule, selects_per_prompt: bool) -> tuple[int, int]:
+    """Slots per (layer, KV head) with shared prompts: (stored once per distinct prompt, owned by each row).
+
+    A distinct prompt stores the keys its selection kept (at most the largest prefill keep count) when its rows
+    select alike, else (random eviction, or no eviction) the whole padded prompt. A row owns slots for the keys
+    it decodes: one per fed token, at most `max_new_tokens - 1`, and never more than the cache's capacity."""
+    stored = min(prompt_len, int(schedule.prefill_keep.max())) if selects_per_prompt else prompt_len
+    return stored, max(1, min(len(schedule.step_keep), schedule.capacity))
+
+
 def prefill(model, prompts: list[list[int]], state: RolloutState, cache: EvictingCache, pad_token_id: int,
             kwargs: dict[str, Any], share_prompt: bool = True) -> torch.Tensor:
     """Run the left-padded prompts (dense causal attention, then the first eviction); return the logits
@@ -565,6 +694,12 @@ def prefill(model, prompts: list[list[int]], state: RolloutState, cache: Evictin
         state.prefill_first = torch.tensor(first, dtype=torch.long, device=device)
         state.prefill_rows = torch.tensor(rows, dtype=torch.long, device=device)
         state.prefill_pad = state.prompt_pad.index_select(0, state.prefill_first)
+        group_rows, group_index = prompt_groups(rows, len(first))
+        state.group_rows = torch.tensor(group_rows, dtype=torch.long, device=device)
+        state.group_index = torch.tensor(group_index, dtype=torch.long, device=device)
+        stored, own = shared_slot_counts(P, state.schedule, state.policy.evicts and not state.policy.prefill_per_row)
+        if len(first) * stored + len(prompts) * own < len(prompts) * state.capacity:  # else each row its own copy
+            state.prompt_slots, state.decode_slots = stored, own
     else:
         state.prefill_pad = state.prompt_pad
     state.seq_length = P
