@@ -203,3 +203,15 @@ def test_bench_rollout_groups_without_vllm(tmp_path):
     assert all(r["made"] == 2 * 3 * 3 for r in rows)
     assert by["smd-snapkv-shared"]["kv_bytes_per_group"] < by["smd-snapkv-per-sample"]["kv_bytes_per_group"]
     assert "torch threads" in lines[0] and "float32" in lines[0]
+
+
+@pytest.mark.slow
+def test_compiled_decoding_step_on_a_shared_rollout(model):
+    """rollout.compile: the compiled decoding step over the two key sets gives the eager run's tokens and masks."""
+    prompts = grouped_prompts()
+    ev = _eviction("snapkv")
+    compiled, _ = generate_batch(model, prompts, ev, 10, None, 0, 1.0, torch.Generator().manual_seed(0), compile=True)
+    eager, _ = _run(model, prompts, ev, share=True)
+    for c, e in zip(compiled, eager, strict=True):
+        assert c.response_ids == e.response_ids and np.array_equal(c.evict_at, e.evict_at)
+    assert within_float32_bound(_logprobs(compiled), _logprobs(eager), model_chain(model.config, 40))

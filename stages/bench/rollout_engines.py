@@ -85,10 +85,15 @@ def bench_engines(policy: str | Path | None = None, prompts_path: str | Path | N
         vllm_startup = time.perf_counter() - t0
         with engine:
             # vLLM gets every row in one call, as the stages give them (it keeps batch_size decoding)
+            # Every run starts with an empty prefix cache: the repeats reuse their prompts, and vLLM would serve them
+            # from the cache without a prefill (issue 40). Within a run the rollout's G copies of a prompt may share
+            # it, as the rollout stage's vLLM engine does (prefix caching on).
             def vllm_rollout(rows):
+                engine.llm.reset_prefix_cache()
                 return engine.generate(rows, new_tokens, eos, temperature, [request_seed(0, 0, r) for r in range(len(rows))])
 
             def vllm_eval(rows):
+                engine.llm.reset_prefix_cache()
                 return engine.generate(rows, new_tokens, eos, 0.0)
 
             engines["vllm"] = (vllm_startup, vllm_rollout, vllm_eval)
