@@ -341,3 +341,15 @@ def test_bench_lora_step_holds_adapter_state_only():
     assert lora["trainable"] < full["trainable"] / 10
     assert lora["optimizer_mb"] == pytest.approx(2 * lora["trainable_mb"], rel=0.01)  # moments (+ step counters)
     assert lora["weights_mb"] > full["weights_mb"]  # the adapters on top of the frozen weights
+
+
+def test_gradient_checkpointing_trains_the_adapter_alike(tmp_path, setup):
+    """learner.gradient_checkpointing with LoRA (non-reentrant checkpoints; the frozen embeddings need no input
+    gradients): the same adapter update as without."""
+    _, base, _, prompts = setup
+    traj, masks = make_iteration(tmp_path, base, prompts, make_params())
+    outs = [run_learner(lora_params(**{"learner.gradient_checkpointing": flag}), 1, base, traj, masks,
+                        tmp_path / str(flag) / "policy")["policy"] for flag in (False, True)]
+    a, b = adapter_weights(outs[0]), adapter_weights(outs[1])
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert any(float(v.abs().max()) > 0 for k, v in b.items() if "lora_B" in k)
