@@ -215,3 +215,19 @@ def test_compiled_decoding_step_on_a_shared_rollout(model):
     for c, e in zip(compiled, eager, strict=True):
         assert c.response_ids == e.response_ids and np.array_equal(c.evict_at, e.evict_at)
     assert within_float32_bound(_logprobs(compiled), _logprobs(eager), model_chain(model.config, 40))
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "random"])
+def test_shared_rollout_names_every_tensors_device(model, policy):
+    """With torch's default device `meta` (the model on the CPU), a tensor the shared path made without naming a
+    device would fail; the results equal a normal run's (as tests/test_engine_device.py checks the engine)."""
+    prompts = grouped_prompts()
+    ev = _eviction(policy)
+    want, _ = _run(model, prompts, ev, share=True)
+    torch.set_default_device("meta")
+    try:
+        got, _ = _run(model, prompts, ev, share=True)
+    finally:
+        torch.set_default_device(None)
+    for g, w in zip(got, want, strict=True):
+        assert g.response_ids == w.response_ids and g.logprobs == w.logprobs and np.array_equal(g.evict_at, w.evict_at)
