@@ -36,7 +36,10 @@ Flow of `run_learner(...)`, one named step each:
 
 Sharding: every process reads the whole table; mini-batch rows go to processes round-robin (rows
 [rank::world]), each process's rows are grouped by length into micro-batches, and processes with fewer
-micro-batches run zero-weight ones so that all take part in every gradient reduction.
+micro-batches run zero-weight ones so that all take part in every gradient reduction. With
+`learner.shared_prompt` (the default) processes take whole GRPO groups round-robin instead, micro-batches hold
+whole groups (or parts of one), and each run of rows with one prompt forwards it once
+(`stages.learner.shared_prompt`; docs/design.md §3c).
 """
 
 from __future__ import annotations
