@@ -71,6 +71,20 @@ def test_compare_runs_every_arm_reports_and_resumes(tmp_path):
     assert {f: f.stat().st_mtime_ns for f in before} == before
 
 
+@pytest.mark.slow
+def test_iterations_and_seeds_options_replace_the_specs(tmp_path):
+    model_dir, data, spec = _inputs(tmp_path)
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(app, ["compare", "--out", str(out), "--spec", str(spec), "--params",
+                                   str(empty_params(tmp_path)), "--warmstart", str(model_dir), "--data", str(data),
+                                   "--arms", "dense", "--iterations", "1", "--seeds", "3",
+                                   *[x for s in SETS for x in ("-S", s)]])
+    assert res.exit_code == 0, res.output
+    assert [r["run"] for r in json.loads((out / "compare.json").read_text())["runs"]] == ["dense-s3"]
+    art = out / "dense-s3" / "artifacts"
+    assert (art / "iter-001" / "evaluate" / "metrics.json").is_file() and not (art / "iter-002").exists()
+
+
 def test_compare_spec_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("iterations: 0\narms: {a: {}}\n")
@@ -90,6 +104,9 @@ def test_compare_spec_errors_are_one_line(tmp_path):
     res = CliRunner().invoke(app, ["compare", "--out", str(tmp_path / "o"), "--spec", str(spec), "--arms", "nope",
                                    "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir)])
     assert res.exit_code == 2 and "no arm nope" in res.output
+    res = CliRunner().invoke(app, ["compare", "--out", str(tmp_path / "o"), "--spec", str(spec), "--seeds", "0,x",
+                                   "--params", str(empty_params(tmp_path)), "--warmstart", str(model_dir)])
+    assert res.exit_code == 2 and "--seeds: expected comma-separated seeds" in res.output
 
 
 def test_paper_comparison_spec_is_valid():

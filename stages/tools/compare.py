@@ -31,9 +31,18 @@ from schemas.params import Params, load_params
 
 
 def run_compare(spec_path: Path, out: Path, params_path: Path, overrides: list[str], warmstart: Path, data: Path,
-            only: str | None = None, workers: int | None = None) -> dict[str, Path]:
-    """Validate the spec and every arm's params, evaluate the start, run the chains, report."""
+            only: str | None = None, workers: int | None = None, iterations: int | None = None,
+            seeds: str | None = None) -> dict[str, Path]:
+    """Validate the spec and every arm's params, evaluate the start, run the chains, report. `iterations` and
+    `seeds` (comma-separated) replace the spec's."""
     spec = load_compare_spec(spec_path)
+    if iterations is not None:
+        spec = spec.model_copy(update={"iterations": iterations})
+    if seeds is not None:
+        parts = [s.strip() for s in seeds.split(",") if s.strip()]
+        if not parts or not all(s.isdigit() for s in parts):
+            raise SmdInputError(f"--seeds: expected comma-separated seeds such as 0,1, got {seeds!r}")
+        spec = spec.model_copy(update={"seeds": [int(s) for s in parts]})
     out, params_path, warmstart, data = (Path(x).resolve() for x in (out, params_path, warmstart, data))
     names = list(spec.arms)
     if only:
