@@ -26,8 +26,8 @@ SetOption = Annotated[
 ]
 
 
-def load(params: Path, overrides: list[str] | None) -> Params:
-    return guarded(lambda: load_params(params, overrides))
+def load(params: Path, overrides: list[str] | None, scores: bool = True) -> Params:
+    return guarded(lambda: load_params(params, overrides, scores))
 
 
 # A write that cannot complete for lack of room: a full disk, a quota, a file-size limit (RLIMIT_FSIZE).

@@ -29,5 +29,5 @@ def register(app: typer.Typer) -> None:
         """
         from stages.common.model import init_model as run_init_model
 
-        p = load(params, overrides)
+        p = load(params, overrides, scores=False)  # never scores: no reward.function needed
         echo_written(guarded(lambda: run_init_model(p.model, seed=p.seed, out=out)))

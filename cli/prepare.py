@@ -22,5 +22,5 @@ def register(app: typer.Typer) -> None:
         """Generate (synthetic) or load (data set files) the task's prompts, tokenized for the policy."""
         from stages.prepare import run_prepare
 
-        p = load(params, overrides)
+        p = load(params, overrides, scores=False)  # never scores: no reward.function needed
         echo_written(guarded(lambda: run_prepare(p.prepare, p.model.init_path, out, seed=p.seed)))

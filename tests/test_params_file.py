@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import yaml
 
 from schemas.params import Params, load_params
@@ -75,3 +76,25 @@ def test_the_checks_catch_a_missing_key():
     del tree["prepare"]["prompt_key"]
     assert not has_key(tree, "prepare.prompt_key") and "prepare.prompt_key" not in leaf_keys(tree)
     assert has_key(tree, "prepare.task") and "rollout.eviction.policy" in leaf_keys(committed())
+
+
+def test_an_override_error_names_the_override_and_a_file_error_the_file(tmp_path):
+    from schemas.errors import SmdInputError
+
+    with pytest.raises(SmdInputError, match=r"^-S rollout.group_size=1: rollout.group_size: "):
+        load_params(ROOT / "params.yaml", ["rollout.group_size=1"])
+    bad = tmp_path / "params.yaml"
+    bad.write_text("rollout:\n  group_size: 1\n")
+    with pytest.raises(SmdInputError, match=rf"^{bad}: rollout.group_size: "):
+        load_params(bad, ["learner.lr=0.1"])
+    with pytest.raises(SmdInputError, match=rf"^{bad} with -S reward.function=r.py:f, -S reward.weights=\[1, 2\]: reward: .*2 weight"):
+        load_params(bad, ["rollout.group_size=2", "reward.function=r.py:f", "reward.weights=[1, 2]"])
+
+
+def test_only_commands_that_score_need_a_reward_function():
+    from schemas.errors import SmdInputError
+
+    task = ["prepare.task=dataset", "prepare.train_file=x.jsonl"]
+    assert load_params(ROOT / "params.yaml", task, scores=False).prepare.task == "dataset"  # init-model, prepare
+    with pytest.raises(SmdInputError, match=r"reward.function: task `dataset` has no built-in scorer"):
+        load_params(ROOT / "params.yaml", task)

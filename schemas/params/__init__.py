@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from schemas.errors import SmdInputError
 from schemas.params.compaction import CompactionParams
@@ -141,8 +141,10 @@ class Params(BaseModel):
     pipeline: PipelineParams = PipelineParams()
 
     @model_validator(mode="after")
-    def _dataset_needs_a_reward(self) -> Params:
-        if self.prepare.task == "dataset" and not self.reward.function:
+    def _dataset_needs_a_reward(self, info: ValidationInfo) -> Params:
+        # a command that never scores (init-model, prepare) loads with context {"scores": False}
+        scores = (info.context or {}).get("scores", True)
+        if scores and self.prepare.task == "dataset" and not self.reward.function:
             raise ValueError("reward.function: task `dataset` has no built-in scorer; set reward.function to "
                              "path/to/rewards.py:name or math_verify")
         return self
@@ -168,20 +170,32 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str] | None) -> dict[s
     return tree
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str, overrides: list[str] | None = None) -> str:
+    """One line: where the bad value came from (the `-S KEY=VALUE` override that set the key, else the file),
+    the key and pydantic's message."""
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "<root>"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
+    for item in reversed(overrides or []):  # the last override of a key is the one in effect
+        key = item.split("=", 1)[0].strip()
+        if where == key or where.startswith(key + "."):
+            return f"-S {item}: {where}: {msg}"
+    # a section's (or the whole file's) check that an override took part in: the file with those overrides
+    inside = [item for item in overrides or [] if where == "<root>" or item.startswith(where + ".")]
+    if inside:
+        return f"{source} with {', '.join('-S ' + item for item in inside)}: {where}: {msg}"
     return f"{source}: {where}: {msg}"
 
 
-def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None) -> Params:
+def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | None = None,
+                scores: bool = True) -> Params:
     """Read params.yaml (`path=None`: all defaults), apply overrides, validate.
 
-    Raises SmdInputError with one line naming the file and the key on any problem; a params file that does
-    not exist is an error (a mistyped path must not run on the defaults).
+    Raises SmdInputError with one line naming the file (or the `-S` override) and the key on any problem; a params
+    file that does not exist is an error (a mistyped path must not run on the defaults). `scores=False`: for a
+    command that never scores a response (init-model, prepare), `prepare.task: dataset` needs no reward.function.
     """
     tree: dict[str, Any] = {}
     source = str(path) if path is not None else "<defaults>"
@@ -199,6 +213,6 @@ def load_params(path: str | Path | None = "params.yaml", overrides: list[str] | 
             raise SmdInputError(f"{source}: top level must be a mapping of sections")
     apply_overrides(tree, overrides)
     try:
-        return Params.model_validate(tree)
+        return Params.model_validate(tree, context={"scores": scores})
     except ValidationError as err:
-        raise SmdInputError(format_validation_error(err, source)) from err
+        raise SmdInputError(format_validation_error(err, source, overrides)) from err

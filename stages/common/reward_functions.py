@@ -31,11 +31,10 @@ Two conventions, told apart by the function's parameter names:
 Several functions, weights `w` (default 1 each): the reward of a sample is TRL's `nansum_f(value_f * w_f)`, a
 `None` counting as NaN (`rewards_per_func * reward_weights).nansum(dim=1)` in `_generate_and_score_completions`).
 A sample where every function returns None therefore gets reward 0 (nansum of nothing), and is flagged in
-`RewardResult.unscorable`. That 0 enters smd's GRPO advantages (stages/learner/objectives.py `group_advantages`)
-like any other reward: it pulls its group's mean and std, and its advantage is `(0 - mean) / (std + eps)`, as
-in TRL before v1.6.0. TRL from v1.6.0 (PR #5902, "Exclude None reward completions from GRPO/RLOO advantage
-baseline") instead leaves such rows out of the group baseline and sets their advantage to 0; `unscorable`
-carries what a caller needs to do the same. Logged: TRL's `rewards/<name>/mean` and `rewards/<name>/std`, nan-
+`RewardResult.unscorable`. As TRL from v1.6.0 (PR #5902, "Exclude None reward completions from GRPO/RLOO
+advantage baseline"), smd's GRPO advantages leave such rows out of their group's mean and std and set their
+advantage to 0 (stages/learner/objectives.py `group_advantages(scored=)`, read from `reward_terms`). A bool
+return is 1.0 or 0.0, as verl's reward tensor and TRL's `torch.tensor(..., dtype=torch.float32)` cast it. Logged: TRL's `rewards/<name>/mean` and `rewards/<name>/std`, nan-
 aware (over non-None values, std with Bessel's correction as TRL's `nanstd`, NaN for fewer than 2 values).
 
 Bad input raises `SmdInputError`, one line `reward.function: FILE:FUNCTION: problem`: a missing file or
