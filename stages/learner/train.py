@@ -83,6 +83,7 @@ from stages.learner.deepspeed_runtime import (
 from stages.learner.ema import ema_path, ema_teacher, ema_update_, save_ema
 from stages.learner.kl_tokens import kl_token_mask
 from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
+from stages.learner.lora import LoraPolicy, check_lora_params, load_lora_policy, refuse_adapter_without_lora
 from stages.learner.mismatch import check_finite, mismatch_metrics
 from stages.learner.objectives import (
     KL_TOKEN_FRACTION,
@@ -143,6 +144,15 @@ def as_frozen_teacher(reference, policy, path: str | Path):
             raise SmdInputError(f"{Path(path) / 'config.json'}: {key} {theirs} does not match the policy's {mine} "
                                 "(learner.reference_path, the teacher of learner.kl_teacher=reference)")
     return reference.requires_grad_(False)
+
+
+def reference_policy(cfg: LearnerParams, lora: LoraPolicy | None, policy, dtype: str):
+    """The frozen reference of `ref_kl_coef` and the teacher of `kl_teacher=reference`: the policy at
+    `learner.reference_path` (`as_frozen_teacher`), or under `learner.lora` the adapter's base with the adapter
+    disabled (`LoraPolicy.base_view`: PEFT's `disable_adapter()`, as TRL's reference under PEFT; no second model)."""
+    if lora is not None:
+        return lora.base_view()
+    return as_frozen_teacher(load_policy(cfg.reference_path, dtype), policy, cfg.reference_path)
 
 
 def released_retention(cfg: LearnerParams, data: LearnerData) -> float:
@@ -477,6 +487,7 @@ class LearnerRun:
     ref_model: Any = None
     teacher_model: Any = None  # learner.kl_teacher=reference / ema: the dense teacher model (None: the policy itself)
     trusted: dict[int, np.ndarray] | None = None  # smd_released: the trusted response tokens per row
+    lora: LoraPolicy | None = None  # learner.lora: the adapter model (`module` is its transformers model)
     say: Callable[[str], None] = lambda msg: None
 
     @property
@@ -513,7 +524,11 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     if cfg.kl_tokens == "no_eos" and tokenizer.eos_token_id is None:
         raise SmdInputError(f"learner.kl_tokens=no_eos: the tokenizer of {policy_path} has no eos_token (the "
                             "token the KL would skip)")
-    model = load_policy(policy_path, params.model.dtype)
+    check_lora_params(cfg, spec.masked_forward)  # LoRA dropout under the parity gate: one line, before any load
+    if cfg.lora is None:
+        refuse_adapter_without_lora(policy_path)
+    lora = load_lora_policy(policy_path, cfg, params.model.dtype, seed) if cfg.lora is not None else None
+    model = lora.model if lora is not None else load_policy(policy_path, params.model.dtype)
     mcfg = model.config
     num_kv = getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads
     data = load_learner_data(cfg, trajectories_path, masks_path, mcfg.num_hidden_layers, num_kv,
@@ -523,9 +538,9 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     check_positions(model.config, longest, f"{data.trajectories_path}: a trajectory of {longest} tokens")
     frozen_teacher = runs_dense_teacher(cfg) and cfg.kl_teacher == "reference"
     # one copy of the reference policy serves both the reference KL and the frozen teacher
-    reference = (load_policy(cfg.reference_path, params.model.dtype)
+    reference = (reference_policy(cfg, lora, model, params.model.dtype)
                  if cfg.ref_kl_coef > 0 or frozen_teacher else None)
-    teacher_model = as_frozen_teacher(reference, model, cfg.reference_path) if frozen_teacher else None
+    teacher_model = reference if frozen_teacher else None
     if runs_dense_teacher(cfg) and cfg.kl_teacher == "ema":  # a copy of the policy, then the saved average's weights
         teacher_model = ema_teacher(model, policy_path, TRAINER_STATE, params.model.dtype)
     ref_model = reference if cfg.ref_kl_coef > 0 else None
@@ -543,14 +558,16 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     if cfg.gradient_checkpointing:
         enable_layer_checkpointing(model)
     steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
-    engine = make_engine(model, cfg, ctx, grad_accum, resume_from=policy_path if cfg.resume_optimizer else None)
-    resumed = load_trainer_state(engine, policy_path, cfg, ctx) if cfg.resume_optimizer else None
+    # under learner.lora only a continued adapter's trainer state is its own (a full policy's is the full model's)
+    resume = cfg.resume_optimizer and (lora is None or lora.continued)
+    engine = make_engine(model, cfg, ctx, grad_accum, resume_from=policy_path if resume else None)
+    resumed = load_trainer_state(engine, policy_path, cfg, ctx) if resume else None
     say = (log or (lambda msg: None)) if ctx.is_main else (lambda msg: None)  # progress lines from rank 0 only
     return LearnerRun(params=params, cfg=cfg, iteration=iteration, policy_path=policy_path, ctx=ctx, engine=engine,
                       tokenizer=tokenizer, data=data, steps=steps, resumed=resumed,
                       global_step=int(resumed["global_step"]) if resumed else 0,
                       temperature=params.rollout.temperature, ref_model=ref_model, teacher_model=teacher_model,
-                      trusted=trusted, say=say)
+                      trusted=trusted, say=say, lora=lora)
 
 
 def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None, dict[str, float]]:
@@ -743,7 +760,10 @@ def write_outputs(run: LearnerRun, out_dir: Path, metrics_dir: Path, metrics: di
             "iteration": run.iteration, "objective": run.cfg.objective}
 
     def save_policy(tmp: Path, _: list[None]) -> None:  # rank 0, once every rank saved its trainer state
-        run.module.save_pretrained(tmp)
+        if run.lora is not None:  # the adapter in PEFT's format + the record of its base (path, weights digest)
+            run.lora.save(tmp)
+        else:
+            run.module.save_pretrained(tmp)
         run.tokenizer.save_pretrained(tmp)
         write_weights_digest(tmp)
         if run.ema:  # the average continues from the checkpoint it is saved with
