@@ -98,3 +98,16 @@ def test_only_commands_that_score_need_a_reward_function():
     assert load_params(ROOT / "params.yaml", task, scores=False).prepare.task == "dataset"  # init-model, prepare
     with pytest.raises(SmdInputError, match=r"reward.function: task `dataset` has no built-in scorer"):
         load_params(ROOT / "params.yaml", task)
+
+
+def test_an_override_fills_a_section_the_committed_file_leaves_null():
+    """The committed params.yaml holds optional sections as null (evaluate.compressed_eviction, learner.lora); a
+    dotted override into one starts it from its defaults, as the experiment specs' arms do."""
+    tree = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert tree["evaluate"]["compressed_eviction"] is None and tree["learner"]["lora"] is None
+    params = load_params(ROOT / "params.yaml", ["evaluate.compressed_eviction.policy=snapkv",
+                                                "evaluate.compressed_eviction.keep_ratio=0.3", "learner.lora.rank=8"])
+    assert params.evaluate.compressed_eviction.policy == "snapkv"
+    assert params.evaluate.compressed_eviction.keep_ratio == 0.3
+    assert params.learner.lora.rank == 8 and params.learner.lora.alpha == 32.0
+    assert load_params(ROOT / "params.yaml").learner.lora is None

@@ -154,7 +154,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
-        node = node.setdefault(key, {})
+        if node.get(key) is None:  # an optional section left null (evaluate.compressed_eviction, learner.lora)
+            node[key] = {}
+        node = node[key]
         if not isinstance(node, dict):
             raise SmdInputError(f"override {dotted}: {key} is not a section")
     node[keys[-1]] = value
