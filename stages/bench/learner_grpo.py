@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from stages.bench.learner import _status_kib
+
 ARMS: tuple[tuple[str, str, bool], ...] = (
     ("smd shared", "smd", True),
     ("smd per-sample", "smd", False),
@@ -89,17 +91,11 @@ def grpo_workload(model_dir: Path, out: Path, prompts: int, group_size: int, pro
 
 
 def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024.0
-    return 0.0
+    return _status_kib("VmRSS") / 1024.0
 
 
 def _hwm_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024.0
-    return 0.0
+    return _status_kib("VmHWM") / 1024.0
 
 
 def arm_main(spec_json: str) -> None:

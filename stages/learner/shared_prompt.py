@@ -69,6 +69,21 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
+def _per_sample_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
+                       resp_lens: list[int], backend: str, block_size: int, teacher: bool):
+    """The per-sample forward in `shared_prompt_hidden`'s return shape (policy hidden, teacher hidden or None,
+    targets, valid), for the cases that share nothing."""
+    if teacher:
+        return response_hidden_with_teacher(model, ids, evict_at, prompt_lens, resp_lens, backend, block_size)
+    extra = {}
+    if evict_at is not None and backend == "flex":
+        from stages.learner.flex_backend import build_block_masks
+
+        extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
+    hidden, targets, valid = response_hidden(model, ids, evict_at, prompt_lens, resp_lens, backend, **extra)
+    return hidden, None, targets, valid
+
+
 def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_len: int, resp_lens: list[int],
                 backend: str, block_size: int, teacher: bool):
     """One run (rows sharing a prompt): (policy hidden [G, R_run, D], dense teacher hidden or None, targets,
@@ -79,15 +94,7 @@ def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_
     align = block_size if evict_at is not None and backend == "flex" else 1
     s = shared_prefix_rows(prompt_len, evict_at, align)
     if s == 0:  # nothing to share (a one-token prompt, or flex with a prompt shorter than a block)
-        if teacher:
-            return response_hidden_with_teacher(model, ids, evict_at, prompt_lens, resp_lens, backend, block_size)
-        extra = {}
-        if evict_at is not None and backend == "flex":
-            from stages.learner.flex_backend import build_block_masks
-
-            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
-        hidden, targets, valid = response_hidden(model, ids, evict_at, prompt_lens, resp_lens, backend, **extra)
-        return hidden, None, targets, valid
+        return _per_sample_hidden(model, ids, evict_at, prompt_lens, resp_lens, backend, block_size, teacher)
     decoder = decoder_of(model)
     device = ids.device
     cache = DynamicCache(config=model.config)
@@ -134,16 +141,7 @@ def shared_prompt_hidden(model, input_ids: torch.Tensor, evict_at: torch.Tensor 
     checkpointing on the per-sample forwards run instead (a checkpointed layer cannot write the prompt's cache:
     its recomputation would write it again)."""
     if layer_checkpointing_enabled(model):
-        if teacher:
-            return response_hidden_with_teacher(model, input_ids, evict_at, prompt_lens, resp_lens, backend,
-                                                block_size)
-        extra = {}
-        if evict_at is not None and backend == "flex":
-            from stages.learner.flex_backend import build_block_masks
-
-            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size)
-        hidden, targets, valid = response_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, **extra)
-        return hidden, None, targets, valid
+        return _per_sample_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, block_size, teacher)
     R = max(max(resp_lens), 1)
     parts = []
     for a, e in prompt_runs(input_ids, prompt_lens):

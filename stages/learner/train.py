@@ -178,6 +178,19 @@ def trusted_rows(cfg: LearnerParams, data: LearnerData) -> dict[int, np.ndarray]
 
 
 # ------------------------------------------------------------------------------------------ scoring
+def micro_batch_hidden(model, mb: MicroBatch, masked: bool, backend: str = "sdpa", shared: bool = False,
+                       block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final hidden states at the response positions of `mb` (`response_hidden`), shadow-masked when `masked`,
+    each group's prompt forwarded once when `shared` (`shared_prompt_hidden`)."""
+    evict_at = mb.evict_at if masked else None
+    if shared:
+        hidden, _, targets, valid = shared_prompt_hidden(model, mb.input_ids, evict_at, mb.prompt_lens, mb.resp_lens,
+                                                         backend, block_size)
+        return hidden, targets, valid
+    return response_hidden(model, mb.input_ids, evict_at, mb.prompt_lens, mb.resp_lens, backend,
+                            **(mb.forward_extra() if masked else {}))
+
+
 def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature: float,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shared: bool = False,
                  block_size: int = 128) -> dict[str, torch.Tensor]:
@@ -185,13 +198,7 @@ def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature:
     [B, R], 0 at padding), shadow-masked when `masked`, else dense; never [B, R, V] logits at once. `shared`:
     each run of rows with one prompt forwards it once (`shared_prompt_hidden`; `mb` then carries no block
     masks: they are built per run)."""
-    if shared:
-        hidden, _, targets, valid = shared_prompt_hidden(model, mb.input_ids, mb.evict_at if masked else None,
-                                                         mb.prompt_lens, mb.resp_lens, backend, block_size)
-    else:
-        hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None,
-                                                 mb.prompt_lens, mb.resp_lens, backend,
-                                                 **(mb.forward_extra() if masked else {}))
+    hidden, targets, valid = micro_batch_hidden(model, mb, masked, backend, shared, block_size)
     return chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
                                 chunk_tokens=chunk_tokens)
 
@@ -641,18 +648,8 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     with checkpointed_layers(module) if cfg.gradient_checkpointing else contextlib.nullcontext():
         if run.teacher and not shared_teacher:  # a frozen teacher model: its own dense pass, then the masked policy
             with torch.no_grad():
-                if shared:
-                    teacher_hidden, _, _, _ = shared_prompt_hidden(run.teacher_model, mb.input_ids, None,
-                                                                   mb.prompt_lens, mb.resp_lens)
-                else:
-                    teacher_hidden, _, _ = response_hidden(run.teacher_model, mb.input_ids, None, mb.prompt_lens,
-                                                           mb.resp_lens)
-            if shared:
-                hidden, _, targets, valid = shared_prompt_hidden(module, mb.input_ids, mb.evict_at, mb.prompt_lens,
-                                                                 mb.resp_lens, backend, cfg.flex_block_size)
-            else:
-                hidden, targets, valid = response_hidden(module, mb.input_ids, mb.evict_at, mb.prompt_lens,
-                                                         mb.resp_lens, backend, **mb.forward_extra())
+                teacher_hidden, _, _ = micro_batch_hidden(run.teacher_model, mb, False, shared=shared)
+            hidden, targets, valid = micro_batch_hidden(module, mb, True, backend, shared, cfg.flex_block_size)
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
                                           chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
                                           teacher_head=lm_head_of(run.teacher_model))
