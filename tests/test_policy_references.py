@@ -55,13 +55,17 @@ def _top(scores: np.ndarray, k: int) -> set[int]:
     return set(np.argsort(-scores, kind="stable")[:k].tolist()) if k > 0 else set()
 
 
-def snapkv_reference(attn: np.ndarray, capacity: int, window: int, kvh: int, kernel: int = 5) -> list[set[int]]:
+def snapkv_reference(attn: np.ndarray, capacity: int, window: int, kvh: int, kernel: int = 5,
+                     tail: int = 0) -> list[set[int]]:
+    """`tail` > 0: the observation window ends `tail` tokens before the prompt's end (window_anchor user_end); the
+    tail keys are kept with the window."""
     Hq, P, _ = attn.shape
-    per_q = attn[:, P - window:, : P - window].sum(axis=1)  # [Hq, P - w]
+    end = P - tail
+    per_q = attn[:, end - window: end, : end - window].sum(axis=1)  # [Hq, end - w]
     pooled = _avg_pool_zero_padded(per_q, kernel)
     grouped = pooled.reshape(kvh, Hq // kvh, -1).mean(axis=1)
-    window_keys = set(range(P - window, P))
-    return [_top(grouped[h], capacity - window) | window_keys for h in range(kvh)]
+    window_keys = set(range(end - window, P))
+    return [_top(grouped[h], capacity - window - tail) | window_keys for h in range(kvh)]
 
 
 def h2o_reference(attn: np.ndarray, capacity: int, kvh: int) -> list[set[int]]:
@@ -170,3 +174,41 @@ def test_prefill_only_compresses_once(model, prompts):
             assert counts[q].max() == budget(q + 1, evd, P) == budget(P, evd, P) + (q + 1 - P)
     with pytest.raises(ValueError, match="prompt length"):
         budget(10, evd)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_snapkv_window_anchored_before_a_tail_matches_reference(model, prompts, share_prompt):
+    """window_anchor user_end: the window's queries are the `window` tokens before the last `tail` (a chat
+    template's closing tokens), the keys before them are scored, the tail is kept with the window; with shared
+    prompts too (two samples of each prompt)."""
+    tail = 5
+    ev = EvictionParams(policy="snapkv", keep_ratio=0.4, window=8, window_anchor="user_end")
+    batch = [p for p in prompts for _ in range(2)] if share_prompt else prompts
+    results, _ = generate_batch(model, batch, ev, max_new_tokens=3, eos_token_id=None, share_prompt=share_prompt,
+                                generator=torch.Generator().manual_seed(0), window_tail=tail)
+    moved = 0
+    kvh = model.config.num_key_value_heads
+    for prompt, res in zip(batch, results, strict=True):
+        P = len(prompt)
+        capacity = budget(P + 1, ev.model_dump()) - 1
+        attn = _eager_attention(model, prompt)
+        for layer in range(model.config.num_hidden_layers):
+            ref = snapkv_reference(attn[layer], capacity, ev.window, kvh, tail=tail)
+            at_end = snapkv_reference(attn[layer], capacity, ev.window, kvh)
+            for head in range(kvh):
+                assert _kept_after_prefill(res, P, layer, head) == ref[head], (P, layer, head)
+                moved += ref[head] != at_end[head]
+    assert moved > 0  # the anchor changes what is kept: the test would catch it being ignored
+
+
+def test_snapkv_anchor_with_no_tail_is_the_papers_window(model, prompts):
+    at_end = EvictionParams(policy="snapkv", keep_ratio=0.4, window=8)
+    anchored = at_end.model_copy(update={"window_anchor": "user_end"})
+    runs = [generate_batch(model, prompts, ev, max_new_tokens=3, eos_token_id=None, window_tail=tail,
+                           generator=torch.Generator().manual_seed(0))[0]
+            for ev, tail in ((at_end, 5), (anchored, 0))]  # prompt_end ignores the tail; user_end with none
+    reference = generate_batch(model, prompts, at_end, max_new_tokens=3, eos_token_id=None,
+                               generator=torch.Generator().manual_seed(0))[0]
+    for results in runs:
+        for res, ref in zip(results, reference, strict=True):
+            assert np.array_equal(res.evict_at, ref.evict_at) and res.response_ids == ref.response_ids

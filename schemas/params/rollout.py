@@ -58,6 +58,15 @@ class EvictionParams(BaseModel):
         "before_window", description="SnapKV: score and pool only the keys before the observation window (the paper) "
         "or every key, window included (smd v0).",
     )
+    window_anchor: Literal["prompt_end", "user_end"] = Field(
+        "prompt_end", description="SnapKV: where the observation window ends. prompt_end: the prompt's last `window` "
+        "tokens (the paper's and kvpress's placement; under a chat template they are the template's closing tokens "
+        "and the text before them). user_end: the `window` tokens before the chat template's closing tokens "
+        "(`<|im_end|>\\n<|im_start|>assistant\\n` on ChatML), so the window's queries are the end of the user's "
+        "message; the closing tokens are kept as the window is. Every prompt must end with the tokenizer's "
+        "closing tokens (stages.common.model.chat_template_tail); smd's option, not the paper's "
+        "(docs/design.md §5).",
+    )
     h2o_recent: Literal["half_budget", "window"] = Field(
         "half_budget", description="H2O: recent tokens kept = half the budget (the paper's equal heavy/recent split) "
         "or `window` tokens (smd v0).",
@@ -87,6 +96,9 @@ class EvictionParams(BaseModel):
             )
         if self.pooling_kernel % 2 == 0:
             raise ValueError("pooling_kernel must be odd")
+        if self.window_anchor != "prompt_end" and self.policy != "snapkv":
+            raise ValueError(f"window_anchor {self.window_anchor} places SnapKV's observation window; policy "
+                             f"{self.policy} has none (set window_anchor prompt_end)")
         if not self.apply and self.compress != "prefill_only":
             raise ValueError("apply false simulates the prefill's eviction decisions only: set compress "
                              "prefill_only (every_step's decisions depend on the compressed attention of each step)")

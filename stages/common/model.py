@@ -372,6 +372,42 @@ def generation_prompt_ids(tokenizer) -> list[int]:
     return opened[len(closed):]
 
 
+# User messages whose renders end differently on any tokenizer (a word-level vocabulary maps unknown words to one
+# token, so several, of which some are in every vocabulary).
+_TAIL_PROBES = ("x", "1", "answer :", "?", "y")
+
+
+def chat_template_tail(tokenizer) -> list[int]:
+    """The tokens a chat template renders after the user's message when it opens the assistant turn: the user turn's
+    closing tokens and the generation prompt (ChatML: `<|im_end|>\n<|im_start|>assistant\n`); [] when the tokenizer
+    has no chat template. The longest suffix the renders of several different user messages share, so nothing of
+    the message itself is in it. SnapKV's `window_anchor: user_end` ends its observation window before these."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    renders = [_chat_ids(tokenizer, [{"role": "user", "content": text}], True) for text in _TAIL_PROBES]
+    n = 0
+    while all(len(r) > n for r in renders) and len({r[-1 - n] for r in renders}) == 1:
+        n += 1
+    return renders[0][len(renders[0]) - n:]
+
+
+def observation_window_tail(eviction, tokenizer, prompts: list[list[int]] | None = None, source: str | Path = "",
+                            field: str = "rollout.eviction.window_anchor") -> int:
+    """Tokens after SnapKV's observation window at the end of every prompt: the chat template's closing tokens
+    (`chat_template_tail`) under `window_anchor: user_end`, else 0. With `prompts`, checks that each ends with
+    them (one line naming `source` and `field` when one does not: the data was rendered without this template)."""
+    if eviction.window_anchor != "user_end":
+        return 0
+    tail = chat_template_tail(tokenizer)
+    for ids in prompts or []:
+        if list(ids[len(ids) - len(tail):]) != tail or len(ids) < len(tail):
+            raise SmdInputError(
+                f"{source}: prompt_token_ids: a prompt does not end with the chat template's closing tokens "
+                f"{tokenizer.decode(tail)!r} ({field} user_end needs prompts rendered through the policy's template; "
+                "set it to prompt_end)")
+    return len(tail)
+
+
 def rendered_as_chat(tokenizer, prompt_ids: list[int]) -> bool:
     """Whether `prompt_ids` were rendered through the tokenizer's chat template with the assistant turn opened
     (`prompt_token_ids` with the template on): they end with the template's generation prompt."""

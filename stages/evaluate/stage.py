@@ -35,7 +35,13 @@ from schemas.params import EvictionParams, Params
 from schemas.tables import read_table, write_table
 from stages.common.distributed import agree, attempt, my_batches, worker_context, write_collectively
 from stages.common.kvcache.sampler import generate_batch
-from stages.common.model import check_positions, load_policy, load_tokenizer, reference_nll_batch
+from stages.common.model import (
+    check_positions,
+    load_policy,
+    load_tokenizer,
+    observation_window_tail,
+    reference_nll_batch,
+)
 from stages.common.scoring import Scoring, term_means
 from stages.common.vllm_sampler import VllmEngine
 
@@ -73,12 +79,14 @@ def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: 
     cfg = params.evaluate
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    window_tail = observation_window_tail(eviction, tokenizer)  # the prompts were checked by `_inputs`
     rows: dict[int, dict[str, Any]] = {}
     pending: list[tuple[list[int], Any]] = []
     for batch in (batches if engine is None else [[i for b in batches for i in b]]):
         ids = [list(prompts[i]["prompt_token_ids"]) for i in batch]
         if engine is None:
-            results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0)
+            results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0,
+                                        window_tail=window_tail)
         else:
             results = engine.generate(ids, cfg.max_new_tokens, eos, temperature=0.0)
         texts = []
@@ -272,4 +280,7 @@ def _inputs(params: Params, policy_path: str | Path, eval_prompts_path: Path, de
     check_positions(model.config, n + cfg.max_new_tokens,
                     f"{eval_prompts_path}: prompt_token_ids: prompt {longest['prompt_id']} has {n} tokens; with "
                     f"evaluate.max_new_tokens={cfg.max_new_tokens} it")
+    field = ("evaluate.compressed_eviction" if cfg.compressed_eviction is not None else "rollout.eviction")
+    observation_window_tail(eviction_for("compressed", params), tokenizer, [p["prompt_token_ids"] for p in prompts],
+                            eval_prompts_path, f"{field}.window_anchor")
     return prompts, model, tokenizer

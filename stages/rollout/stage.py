@@ -38,7 +38,13 @@ from stages.common.distributed import (
     write_collectively,
 )
 from stages.common.kvcache.sampler import SampleResult, generate_batch
-from stages.common.model import check_positions, load_policy, load_policy_config, load_tokenizer
+from stages.common.model import (
+    check_positions,
+    load_policy,
+    load_policy_config,
+    load_tokenizer,
+    observation_window_tail,
+)
 from stages.common.scoring import Scored, Scoring, concat, term_means
 from stages.common.vllm_sampler import VllmEngine, request_seed
 
@@ -163,6 +169,8 @@ def _inputs(params: Params, iteration: int, policy_path: str | Path, prompts_pat
     picked = select_prompts(len(prompts), cfg.prompts_per_iteration, params.seed, iteration,
                             eligible_prompts(prompts, cfg.min_prompt_tokens, prompts_path))
     jobs = group_jobs(prompts, picked, cfg.group_size, model_config, cfg.max_new_tokens, prompts_path)
+    observation_window_tail(cfg.eviction, tokenizer, [prompts[i]["prompt_token_ids"] for i in sorted(set(picked))],
+                            prompts_path)
     return prompts, model, model_config, tokenizer, jobs
 
 
@@ -199,6 +207,7 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
     for scoring, so a reward pool works while the next chunk samples)."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    window_tail = observation_window_tail(cfg.eviction, tokenizer)  # the prompts were checked by `_inputs`
     samples = []
     gen_tokens, t0 = 0, time.perf_counter()
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -213,7 +222,8 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
                 generator = torch.Generator().manual_seed(batch_seed(seed, iteration, chunk[0]))
                 results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
                                             generator, stop_check_every=cfg.stop_check_every,
-                                            compile=cfg.compile, share_prompt=cfg.share_prompt)
+                                            compile=cfg.compile, share_prompt=cfg.share_prompt,
+                                            window_tail=window_tail)
             else:
                 results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,
                                           [request_seed(seed, iteration, row) for row, _ in rows])

@@ -343,9 +343,11 @@ def _prefill_output(st: RolloutState, query, key, value, scaling: float):
         out = sdpa_gqa(query, key, value, scaling, mask=st.prefill_mask(0, P, P))
     else:  # no mask: SDPA may take its fused (flash / memory-efficient) kernels, as transformers' sdpa does
         out = sdpa_gqa(query, key, value, scaling, causal=True)
-    if need == "window":
-        w = min(st.eviction["window"], P)
-        return out, _attend_grouped(query[:, :, -w:], key, None, st.prefill_mask(P - w, P, P), scaling, H)[1]
+    if need == "window":  # the window's queries end `window_tail` tokens before the prompt's end (window_anchor)
+        end = P - min(st.policy.window_tail, P)
+        w = min(st.eviction["window"], end)
+        return out, _attend_grouped(query[:, :, end - w: end], key, None, st.prefill_mask(end - w, end, P),
+                                    scaling, H)[1]
     return out, None
 
 
@@ -550,6 +552,7 @@ def generate_batch(
     stop_check_every: int = 0,
     compile: bool = False,
     share_prompt: bool = True,
+    window_tail: int = 0,
 ) -> tuple[list[SampleResult], BatchStats]:
     """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks.
 
@@ -558,13 +561,15 @@ def generate_batch(
     stop checks (0 = `stop_check_interval`'s default); the results do not depend on it. `compile`: run the
     decoding step through `torch.compile` (CUDA graphs on a GPU; see `compiled_decode_step`). `share_prompt`:
     prefill each distinct prompt once (`prefill`; rollout.share_prompt); false runs every row's own prefill,
-    the reference.
+    the reference. `window_tail`: tokens every prompt ends with after SnapKV's observation window
+    (`observation_window_tail`; 0 = the window ends the prompt).
     """
     simulated = None
     if not eviction.apply:  # rollout.eviction.apply false: the prefill's decisions, recorded but not applied
-        simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id, share_prompt)
-        eviction = eviction.model_copy(update={"policy": "dense", "apply": True})
-    state = new_state(model, prompts, eviction, max_new_tokens)
+        simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id, share_prompt,
+                                                window_tail)
+        eviction = eviction.model_copy(update={"policy": "dense", "apply": True, "window_anchor": "prompt_end"})
+    state = new_state(model, prompts, eviction, max_new_tokens, window_tail)
     cache = EvictingCache(state)
     kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
     generator = _on_device(generator, state.device)
@@ -582,13 +587,13 @@ def generate_batch(
 
 
 def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int,
-                                pad_token_id: int, share_prompt: bool = True) -> torch.Tensor:
+                                pad_token_id: int, share_prompt: bool = True, window_tail: int = 0) -> torch.Tensor:
     """`rollout.eviction.apply: false`: the evict_at [L, B, H, P + max_new_tokens] the policy records at the prefill
     of these prompts (compress prefill_only: a compressed rollout's only decisions, which depend on the prompts
     alone), from one prefill of the evicting engine whose cache is then dropped; the caller samples densely."""
     if eviction.compress != "prefill_only":
         raise ValueError("rollout.eviction.apply false needs compress prefill_only")
-    state = new_state(model, prompts, eviction.model_copy(update={"apply": True}), max_new_tokens)
+    state = new_state(model, prompts, eviction.model_copy(update={"apply": True}), max_new_tokens, window_tail)
     cache = EvictingCache(state)
     with attention_implementation(model, ROLLOUT_ATTENTION):
         prefill(model, prompts, state, cache, pad_token_id, {"smd_rollout_state": state, "smd_rollout_cache": cache},
@@ -604,7 +609,8 @@ def _on_device(generator: torch.Generator | None, device: torch.device) -> torch
     return torch.Generator(device=device).manual_seed(generator.initial_seed())
 
 
-def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int) -> RolloutState:
+def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int,
+              window_tail: int = 0) -> RolloutState:
     """The per-batch state on the model's device: the policy, the budget schedule (host) with a cache capacity
     that fits the budget at the longest length, and evict_at [L, B, H, P + max_new_tokens] all -1."""
     cfg = model.config
@@ -615,6 +621,7 @@ def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new
     lens = np.array([len(p) for p in prompts], dtype=np.int64)
     T_max = int(lens.max()) + max_new_tokens
     policy = make_policy(eviction, num_layers)
+    policy.window_tail = window_tail if eviction.window_anchor == "user_end" else 0
     schedule = budget_schedule(lens, max_new_tokens, ev, policy.evicts,
                                policy.evicts and ev.get("compress", "every_step") == "every_step")
     policy.start_batch(len(prompts), num_kv, int(lens.max()), max_new_tokens, device)

@@ -44,6 +44,8 @@ class EvictionPolicy:
     prefill queries) or "all" (attention of every query). The engine computes only what is asked.
     prefill_per_row: see below; `observe_prefill` then receives every row, else it may receive one row per
     distinct prompt (the engine copies the selection to the prompt's rows).
+    window_tail: prompt tokens after the observation window (SnapKV's `window_anchor: user_end`: the chat
+    template's closing tokens); the engine sets it per batch, 0 = the window ends the prompt.
     """
 
     name: ClassVar[str] = ""
@@ -56,6 +58,7 @@ class EvictionPolicy:
     def __init__(self, cfg: EvictionParams, num_layers: int):
         self.cfg = cfg
         self.num_layers = num_layers
+        self.window_tail = 0
 
     # Hooks (no-ops by default) -------------------------------------------------------------
     def start_batch(self, batch: int, num_kv_heads: int, prompt_len: int, max_new_tokens: int,

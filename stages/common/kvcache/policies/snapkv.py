@@ -16,6 +16,10 @@ kept. The prompt's observation-window keys enter the ring with the row's highest
 kvpress pads them, until `window` decoding steps have replaced that entry. `compress: prefill_only` is
 the paper's original setting (compress once, keep every generated key).
 
+`window_anchor: user_end` (smd's option, issue 42) moves the observation window before the chat template's
+closing tokens (`window_tail` of them: ChatML's `<|im_end|>\n<|im_start|>assistant\n`), so its queries are the
+end of the user's message rather than the template's fixed text; the closing tokens are kept as the window is.
+
 smd v0 variant (`pooling: max, pooling_kernel: 7, snapkv_pool_scope: all_keys, sinks: 4`): max-pools over
 the whole key axis, observation window included, and protects 4 sinks.
 """
@@ -28,21 +32,25 @@ import torch.nn.functional as F
 from stages.common.kvcache.policies.base import EvictionPolicy, LayerSlots, register_policy
 
 
-def pooled_window_scores(attn: torch.Tensor, window: int, pooling: str, kernel: int, scope: str) -> torch.Tensor:
-    """Pooled SnapKV key scores [B, H, P] from the window's attention [B, H, w, P] (keys in position order,
-    the observation window = the last `window` positions). With scope `before_window` the window's own keys
-    are left out of the pooling and get the row's highest score (they are kept regardless)."""
+def pooled_window_scores(attn: torch.Tensor, window: int, pooling: str, kernel: int, scope: str,
+                         tail: int = 0) -> torch.Tensor:
+    """Pooled SnapKV key scores [B, H, P] from the window's attention [B, H, w, P] (keys in position order; the
+    observation window = the `window` positions before the last `tail`, which are the prompt's last positions
+    when `tail` is 0). With scope `before_window` the window's own keys are left out of the pooling and get the
+    row's highest score (they are kept regardless); so do the `tail` keys after the window (`window_anchor:
+    user_end`: the chat template's closing tokens, which the window's queries cannot see) with either scope."""
     summed = attn.sum(dim=2).to(torch.float64)
     P = summed.shape[-1]
-    w = min(window, P)
-    if scope == "before_window":
-        summed = summed[..., : P - w]
+    tail = min(tail, P)
+    w = min(window, P - tail)
+    protected = w + tail if scope == "before_window" else tail
+    summed = summed[..., : P - protected]
     if kernel > 1 and summed.shape[-1] > 0:
         pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
         summed = pool(summed, kernel_size=kernel, stride=1, padding=kernel // 2)
-    if scope == "before_window":
+    if protected:
         top = summed.amax(dim=-1, keepdim=True) if summed.shape[-1] else summed.new_zeros(*summed.shape[:-1], 1)
-        summed = torch.cat([summed, top.expand(*summed.shape[:-1], w)], dim=-1)
+        summed = torch.cat([summed, top.expand(*summed.shape[:-1], protected)], dim=-1)
     return summed
 
 
@@ -58,7 +66,8 @@ class SnapKVPolicy(EvictionPolicy):
     def observe_prefill(self, layer, slots, attn):
         # attn: [B, H, w, P] for the last w prompt queries (positions in order here).
         cfg = self.cfg
-        pooled = pooled_window_scores(attn, cfg.window, cfg.pooling, cfg.pooling_kernel, cfg.snapkv_pool_scope)
+        pooled = pooled_window_scores(attn, cfg.window, cfg.pooling, cfg.pooling_kernel, cfg.snapkv_pool_scope,
+                                      self.window_tail)
         B, H, P = pooled.shape
         ring = torch.zeros(B, H, P, cfg.window, dtype=torch.float64, device=pooled.device)
         ring[..., 0] = pooled  # the prefill window's pooled score occupies one ring entry
