@@ -10,10 +10,16 @@ import pytest
 from typer.testing import CliRunner
 
 from schemas.errors import SmdInputError
+from stages.tools.report import Run
 from stages.tools.seed_stats import (
     METRICS,
+    SEED_LINE,
     T_975,
+    compute,
+    curve_figure,
+    group_runs,
     interval,
+    metric_range,
     paired,
     parse_run_name,
     run_name,
@@ -198,3 +204,73 @@ def test_cli(runs, tmp_path):
     assert (out / "seed_stats.md").is_file() and (out / "curve_train_reward.png").is_file()
     bad = CliRunner().invoke(app, ["seed-stats", str(runs[0]), "--reference", "naive@0.5", "--out", str(out)])
     assert bad.exit_code == 2 and "reference arm 'naive@0.5'" in bad.output
+
+
+def test_metric_range_by_name():
+    unit, non_negative, free = (0.0, 1.0), (0.0, None), (None, None)
+    for name in ("eval/dense/score", "eval/compressed/score", "eval/dense/exact_match", "eval/compressed/exact_match",
+                 "dense_score", "compressed_score", "dense_exact_match", "kv/kept_fraction",
+                 "eval/dense/kv_kept_fraction", "rejection/seq_fraction", "batch/zero_adv_group_frac", "Eval/Score"):
+        assert metric_range(name) == unit, name
+    for name in ("eval/dense/reference_nll", "reference_nll", "policy/entropy", "rollout/seconds",
+                 "learner/seconds_per_step", "rollout/cpu_seconds", "bytes", "mismatch/logprob_abs_diff_max"):
+        assert metric_range(name) == non_negative, name
+    for name in ("reward/mean", "train_reward", "mismatch/kl", "eval/score_gap", "response/length_mean", "x"):
+        assert metric_range(name) == free, name
+
+
+def _runs_in_memory(arm, per_seed):
+    """(name, Run) per seed: `per_seed[seed][it]` -> the evaluate and learn metrics of iteration `it`."""
+    return [(f"{arm}-s{seed}", Run(name=f"{arm}-s{seed}", source="mem",
+                                   metrics={it: {"evaluate": ev, "learn": ev} for it, ev in its.items()}))
+            for seed, its in per_seed.items()]
+
+
+def _band(ax):
+    (band,) = ax.collections
+    return band.get_paths()[0].vertices[:, 1]
+
+
+def test_curve_band_clipped_to_metric_range_and_seed_lines():
+    # two seeds far apart: t_{0.975,1} = 12.706, so every interval runs far past [0, 1]
+    scores = {0: [0.0, 0.1, 0.4], 1: [1.0, 0.9, 0.6]}
+    per_seed = {s: {it: {"eval/dense/score": v, "eval/dense/reference_nll": 1.0 + 2 * s + it,
+                         "mismatch/kl": 0.01 * (s - 0.5)} for it, v in enumerate(vals)}
+                for s, vals in scores.items()}
+    result = compute(group_runs(_runs_in_memory("a", per_seed)), "a")
+    rows = result["per_iteration"]["dense_score"]["a"]
+    hw0 = 12.706 * math.sqrt(0.5) / math.sqrt(2)
+    assert (rows[0]["low"], rows[0]["high"]) == pytest.approx((0.5 - hw0, 0.5 + hw0))  # the statistics as computed
+    assert rows[0]["low"] < -5 and rows[2]["high"] > 1.5
+
+    ax = curve_figure(result, "dense_score").axes[0]
+    y = _band(ax)
+    assert np.all(np.isfinite(y)) and y.min() == 0.0 and y.max() == 1.0  # clipped, and reaching both ends
+    assert rows[0]["low"] < -5  # drawing leaves the result alone
+    lines = ax.get_lines()
+    seeds = [ln for ln in lines if ln.get_label().startswith("_seed")]
+    (mean,) = [ln for ln in lines if not ln.get_label().startswith("_")]
+    assert len(lines) == 3 and [ln.get_label() for ln in seeds] == ["_seed a s0", "_seed a s1"]
+    for ln, s in zip(seeds, (0, 1)):
+        assert list(ln.get_ydata()) == pytest.approx(scores[s]) and list(ln.get_xdata()) == [0, 1, 2]
+        assert ln.get_color() == mean.get_color() == "C0"
+        assert ln.get_alpha() == SEED_LINE["alpha"] < 1 and ln.get_linewidth() < mean.get_linewidth()
+    assert list(mean.get_ydata()) == pytest.approx([0.5, 0.5, 0.5]) and mean.get_label() == "a (n=2)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (n=2)"]
+
+    # an NLL: clipped at 0 from below only; mismatch KL (can be negative): not clipped
+    nll = result["per_iteration"]["reference_nll"]["a"]
+    y = _band(curve_figure(result, "reference_nll").axes[0])
+    assert nll[0]["low"] < 0 and y.min() == 0.0 and y.max() == pytest.approx(max(r["high"] for r in nll))
+    kl = result["per_iteration"]["mismatch_kl"]["a"]
+    y = _band(curve_figure(result, "mismatch_kl").axes[0])
+    assert y.min() == pytest.approx(kl[0]["low"]) and y.max() == pytest.approx(kl[0]["high"]) and y.min() < 0
+
+
+def test_curve_band_keeps_observed_values_outside_the_range():
+    # a reward.function may score past 1: the band is clipped at the highest seed value, not at 1
+    per_seed = {0: {0: {"eval/dense/score": 1.2}, 1: {"eval/dense/score": 1.1}},
+                1: {0: {"eval/dense/score": 1.4}, 1: {"eval/dense/score": 1.3}}}
+    result = compute(group_runs(_runs_in_memory("b", per_seed)), "b")
+    y = _band(curve_figure(result, "dense_score").axes[0])
+    assert y.max() == pytest.approx(1.4) and y.min() == 0.0

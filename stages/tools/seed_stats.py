@@ -23,7 +23,10 @@ mean and 95% t interval, "separated" when the interval excludes 0. A metric a ru
 rejected fractions under most objectives) is "—" in the tables and null in the JSON.
 
 Outputs, each written atomically: `seed_stats.md` (tables), `seed_stats.json` (every number) and one PNG per
-curve of CURVES (the arms' mean curves with shaded 95% bands).
+curve of CURVES (per arm each seed's curve as a thin line, the mean over seeds and its shaded 95% band). The
+band is drawn clipped to the metric's range (`metric_range`: a score cannot leave [0, 1], an NLL cannot go
+below 0), since with few seeds the t interval runs far past it (two seeds: t = 12.706); the tables and the JSON
+keep the interval as computed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from schemas.atomic import atomic_path
 from schemas.errors import SmdInputError
@@ -250,6 +255,33 @@ def compute(arms: dict[str, dict[int, Run]], reference: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- rendering
 
+# metric_range's rules, on the name's last `/` component, lower case.
+_UNIT_NAMES = ("score", "exact_match")
+_UNIT_SUFFIXES = ("_score", "_exact_match", "fraction", "_frac")
+_NON_NEGATIVE_PARTS = ("nll", "entropy", "seconds", "bytes", "abs_diff")
+
+
+def metric_range(name: str) -> tuple[float | None, float | None]:
+    """The range (low, high) a metric's values can take, None for an unbounded side, from its name: a metrics
+    key such as `eval/compressed/score` or a METRICS name such as `compressed_score` (the last `/` component
+    decides, case-insensitively).
+
+    - (0, 1): scores and exact match (`score`, `exact_match`, `*_score`, `*_exact_match`: schemas.rewards'
+      scores are in [0, 1]) and fractions (`*fraction`, `*_frac`: `kv/kept_fraction`,
+      `rejection/seq_fraction`, `batch/zero_adv_group_frac`).
+    - (0, None): non-negative quantities, names containing `nll`, `entropy`, `seconds`, `bytes` or
+      `abs_diff` (`eval/dense/reference_nll`, `policy/entropy`, `learner/seconds_per_step`,
+      `mismatch/logprob_abs_diff_max`).
+    - (None, None): anything else, e.g. `reward/mean` (a `reward.function` may return any number),
+      `mismatch/kl` (the k1 estimate mean(-Δlogp), which can be negative) and `eval/score_gap` (a difference).
+    """
+    leaf = name.rsplit("/", 1)[-1].lower()
+    if leaf in _UNIT_NAMES or leaf.endswith(_UNIT_SUFFIXES):
+        return 0.0, 1.0
+    if any(part in leaf for part in _NON_NEGATIVE_PARTS):
+        return 0.0, None
+    return None, None
+
 
 def fmt(x: float | None) -> str:
     if x is None:
@@ -330,8 +362,25 @@ def render_markdown(result: dict[str, Any], skipped: list[str], pngs: list[str])
     return "\n".join(out)
 
 
-def render_curve(result: dict[str, Any], metric_name: str, path: Path) -> None:
-    """One metric's learning curves: per arm the mean over seeds and a shaded 95% band (where n >= 2)."""
+def _band_limits(name: str, observed: list[float]) -> tuple[float | None, float | None]:
+    """metric_range(name), widened to the observed values (a run scored by a `reward.function` outside
+    [0, 1] keeps its band around its own points): where the drawn band is clipped."""
+    low, high = metric_range(name)
+    if observed and low is not None:
+        low = min(low, min(observed))
+    if observed and high is not None:
+        high = max(high, max(observed))
+    return low, high
+
+
+SEED_LINE = {"alpha": 0.35, "linewidth": 0.8}  # each seed's own curve
+MEAN_LINEWIDTH = 1.8
+
+
+def curve_figure(result: dict[str, Any], metric_name: str):
+    """One metric's learning curves as a matplotlib Figure: per arm each seed's curve (a thin line in the
+    arm's colour, no legend entry; its label starts with `_seed`), the mean over seeds and its 95% band (where
+    n >= 2), the band clipped to the metric's range (`_band_limits`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -346,18 +395,33 @@ def render_curve(result: dict[str, Any], metric_name: str, path: Path) -> None:
         color = f"C{n % 10}"
         its = [r["iteration"] for r in rows]
         seeds = result["arms"][arm]["seeds"]
-        ax.plot(its, [r["mean"] for r in rows], "-o", color=color, markersize=3,
+        observed = []
+        for seed in seeds:
+            pts = [(r["iteration"], v) for r in rows if (v := r["values"].get(seed)) is not None]
+            if pts:
+                observed += [v for _, v in pts]
+                ax.plot([it for it, _ in pts], [v for _, v in pts], "-", color=color,
+                        label=f"_seed {arm} s{seed}", **SEED_LINE)
+        ax.plot(its, [r["mean"] for r in rows], "-o", color=color, markersize=3, linewidth=MEAN_LINEWIDTH,
                 label=f"{arm} (n={len(seeds)})")
-        nan = float("nan")
-        low = [nan if r["low"] is None else r["low"] for r in rows]
-        high = [nan if r["high"] is None else r["high"] for r in rows]
+        low = np.array([np.nan if r["low"] is None else r["low"] for r in rows], dtype=float)
+        high = np.array([np.nan if r["high"] is None else r["high"] for r in rows], dtype=float)
+        lo, hi = _band_limits(metric.key, observed)
+        if lo is not None or hi is not None:
+            low, high = np.clip(low, lo, hi), np.clip(high, lo, hi)
         ax.fill_between(its, low, high, color=color, alpha=0.2, linewidth=0)
-    ax.set_title(f"{metric.label} ({metric.stage} {metric.key}): mean over seeds, 95% band", fontsize="medium")
+    ax.set_title(f"{metric.label} ({metric.stage} {metric.key}): seeds, mean and 95% band", fontsize="medium")
     ax.set_xlabel("iteration")
     ax.grid(alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
+    return fig
+
+
+def render_curve(result: dict[str, Any], metric_name: str, path: Path) -> None:
+    """Write curve_figure(result, metric_name) as a PNG to `path`."""
+    fig = curve_figure(result, metric_name)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
 
