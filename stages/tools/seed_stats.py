@@ -356,7 +356,7 @@ def render_markdown(result: dict[str, Any], skipped: list[str], pngs: list[str])
             out.append("| " + " | ".join([MISSING] * (len(_COLS) + 1)) + " |")
         out.append("")
     if pngs:
-        out += ["## Learning curves (mean over seeds, shaded: 95% t interval)", ""]
+        out += ["## Learning curves (mean over seeds; thin lines: each seed; shaded: the 95% t interval, clipped to the metric's range)", ""]
         out += [f"![{p}]({p})" for p in pngs]
         out.append("")
     return "\n".join(out)
