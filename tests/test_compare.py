@@ -134,4 +134,10 @@ def test_smollm2_spec_has_the_pretrained_arms_of_issue_34():
     teachers = {(p.learner.objective, p.learner.kl_teacher) for a, p in arms.items() if a != "dense"}
     assert {("smd", "current"), ("smd", "reference"), ("smd", "ema"), ("smd_released", "current"),
             ("shadow", "current"), ("naive", "current")} <= teachers
-    assert all(p.rollout.eviction.keep_ratio == 0.5 for p in arms.values())
+    # every arm compresses at 0.5 unless its name says another keep ratio (issue 42's extended arms at 0.3)
+    assert all(p.rollout.eviction.keep_ratio == (0.3 if a.endswith("@0.3") else 0.5) for a, p in arms.items())
+    core = {("dense", "dense"), ("shadow", "snapkv"), ("smd", "snapkv"), ("naive", "snapkv"), ("sparse_rl", "snapkv"),
+            ("smd_released", "snapkv"), ("naive", "h2o"), ("smd", "h2o")}
+    assert core <= {(p.learner.objective, p.rollout.eviction.policy) for p in arms.values()}  # issue 42's arms
+    released = arms["smd_released-sim@0.5"].rollout.eviction  # the authors' own setting: decisions simulated
+    assert (released.apply, released.compress) == (False, "prefill_only")
