@@ -280,7 +280,8 @@ class LearnerParams(BaseModel):
         le=2,
         description="DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = optimizer state partitioned across "
         "processes, 2 = optimizer state and gradients partitioned. One process by default (several through the "
-        "`deepspeed` launcher).",
+        "`deepspeed` launcher). On one process stages 1 and 2 partition nothing but keep flat fp32 copies of the "
+        "parameters and gradients (+1.36 GB peak on SmolLM2-135M); 0 avoids them (docs/design.md §3c).",
     )
     attention_backend: AttentionBackend = Field(
         "auto",
