@@ -179,8 +179,18 @@ def bench_learner_cmd(
     lora_rank: Annotated[int | None, typer.Option(
         min=1, help="LoRA of this rank (learner.lora) against full fine-tuning: one smd learner step each, step time "
                     "and memory itemized (weights, AdamW state, working memory, peak); target peak <= 0.5x.")] = None,
+    gradient_checkpointing: Annotated[bool, typer.Option(
+        "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="With --lora-rank: both learners with every decoder layer checkpointed (learner.gradient_checkpointing); "
+             "rows labelled +ckpt.")] = False,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
+    if gradient_checkpointing and (lora_rank is None or group_size is not None):
+        def refuse() -> None:
+            raise SmdInputError("--gradient-checkpointing: only with --lora-rank (not --group-size)")
+
+        guarded(refuse)
+        return
     if group_size is not None:
         def grpo() -> None:
             if model is None:
@@ -199,7 +209,8 @@ def bench_learner_cmd(
 
         lens = [int(x) for x in lengths.split(",") if x.strip()] if lengths else None
         guarded(lambda: run_lora_bench(shape, lora_rank, lens, rounds=rounds, block_size=block_size, threads=threads,
-                                       chunk_tokens=chunk_tokens, device=device, dtype=dtype))
+                                       chunk_tokens=chunk_tokens, device=device, dtype=dtype,
+                                       gradient_checkpointing=gradient_checkpointing))
         return
     from stages.bench.learner import run_learner_bench
 

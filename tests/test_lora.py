@@ -353,3 +353,64 @@ def test_gradient_checkpointing_trains_the_adapter_alike(tmp_path, setup):
     a, b = adapter_weights(outs[0]), adapter_weights(outs[1])
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     assert any(float(v.abs().max()) > 0 for k, v in b.items() if "lora_B" in k)
+
+
+def test_bench_gradient_checkpointing_reaches_the_child_model():
+    """`bench learner --lora-rank --gradient-checkpointing`: the learner's model has every decoder layer
+    checkpointed (the learner stage's `enable_layer_checkpointing`), the step still trains the adapters, and the
+    layers' activations are no longer kept for backward (nor anything inside the adapter branches)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from stages.bench.learner import _child_lora, _LoraLearner, _saved_for_backward
+    from stages.learner.shadow_attention import layer_checkpointing_enabled
+
+    learner = _LoraLearner(64, 128, 1, "tiny", 4, gradient_checkpointing=True)
+    layers = [m for m in learner.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert learner.model.is_gradient_checkpointing is True
+    assert len(layers) == learner.model.config.num_hidden_layers and all(m.gradient_checkpointing for m in layers)
+    assert layer_checkpointing_enabled(learner.model) is True
+    b = {n: p.detach().clone() for n, p in learner.model.named_parameters() if "lora_B" in n}
+    learner.step("smd_sdpa")
+    assert any(not torch.equal(p, b[n]) for n, p in learner.model.named_parameters() if "lora_B" in n)
+    assert _LoraLearner(64, 128, 1, "tiny", 4).model.is_gradient_checkpointing is False
+
+    plain = _child_lora("smd_sdpa", 64, 128, 1, "tiny", 4, 1)
+    ckpt = _child_lora("smd_sdpa", 64, 128, 1, "tiny", 4, 1, gradient_checkpointing=True)
+    assert plain["checkpointing"] is False and ckpt["checkpointing"] is True
+    assert plain["adapter_saved_mb"] > 0 and ckpt["adapter_saved_mb"] == 0
+    assert ckpt["saved_mb"] < plain["saved_mb"]
+    assert ckpt["trainable"] == plain["trainable"]
+    # the count's hooks are gone afterwards: a forward with gradient outside it saves as before
+    assert _saved_for_backward(learner.model, lambda: learner.step("smd_sdpa")) == (ckpt["saved_mb"], 0.0)
+
+
+def test_bench_lora_gradient_checkpointing_rows_labelled():
+    """The CLI's --gradient-checkpointing goes through run_lora_bench to each learner's process: the rows say +ckpt,
+    the header says so, and each child's model had its layers checkpointed; without the option neither."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    base = ["bench", "learner", "--shape", "tiny", "--lora-rank", "4", "--lengths", "64", "--rounds", "1",
+            "--device", "cpu"]
+    res = CliRunner().invoke(app, [*base, "--gradient-checkpointing"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "both with gradient checkpointing of every decoder layer" in lines[0]
+    rows = [ln for ln in lines if ln.startswith("   64  ")]
+    assert rows[0].startswith("   64  full +ckpt      ") and rows[1].startswith("   64  lora r4 +ckpt   ")
+    trainable = [int(rows[0].split()[3].replace(",", "")), int(rows[1].split()[4].replace(",", ""))]
+    assert 0 < trainable[1] < trainable[0] / 10
+    assert "full fine-tuning +ckpt: worst" in res.output
+
+    from stages.bench.learner import run_lora_bench
+
+    printed: list[str] = []
+    out = run_lora_bench("tiny", 4, [64], rounds=1, print_fn=printed.append, gradient_checkpointing=True)
+    assert [(r["learner"], r["checkpointing"]) for r in out] == [("full +ckpt", True), ("lora r4 +ckpt", True)]
+    assert all(r["adapter_saved_mb"] == 0 for r in out)
+    out = run_lora_bench("tiny", 4, [64], rounds=1, print_fn=printed.append)
+    assert [(r["learner"], r["checkpointing"]) for r in out] == [("full", False), ("lora r4", False)]
+    assert out[1]["adapter_saved_mb"] > 0 and out[0]["adapter_saved_mb"] == 0
+    refused = CliRunner().invoke(app, ["bench", "learner", "--shape", "tiny", "--gradient-checkpointing"])
+    assert refused.exit_code == 2 and "only with --lora-rank" in refused.output

@@ -30,6 +30,7 @@ backward, so the smd flex step uses the block-sparse torch backward of `flex_bac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -569,10 +570,14 @@ def run_learner_bench(lengths=None, modes=None, rounds: int = 3, block_size: int
 class _LoraLearner(_Learner):
     """`_Learner` with PEFT's LoRA adapters (rank `lora_rank`, alpha 2 x rank, every linear layer of the decoder:
     `learner.lora`'s defaults, stages/learner/lora.py) on the frozen model, and AdamW over the adapters only, as
-    `smdctl learn` builds them under `learner.lora`. `lora_rank` None: full fine-tuning, as `_Learner`."""
+    `smdctl learn` builds them under `learner.lora`. `lora_rank` None: full fine-tuning, as `_Learner`.
+    `gradient_checkpointing`: every decoder layer checkpointed as under `learner.gradient_checkpointing` (the learner
+    stage's `enable_layer_checkpointing` on the model it trains, after the adapters are in place; each step inside
+    `checkpointed_layers`)."""
 
     def __init__(self, T: int, block_size: int, threads: int, shape: str, lora_rank: int | None,
-                 chunk_tokens: int | None = None, device: str = "cpu", dtype: str = "float32"):
+                 chunk_tokens: int | None = None, device: str = "cpu", dtype: str = "float32",
+                 gradient_checkpointing: bool = False):
         import torch
 
         super().__init__(T, block_size, threads, shape, chunk_tokens, device=device, dtype=dtype)
@@ -584,8 +589,55 @@ class _LoraLearner(_Learner):
             config = lora_config(LoraParams(rank=lora_rank, alpha=2.0 * lora_rank))
             self.peft_model = peft.get_peft_model(self.model, config, autocast_adapter_dtype=False).eval()
             self.model = self.peft_model.get_base_model()
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            from stages.learner.shadow_attention import enable_layer_checkpointing
+
+            enable_layer_checkpointing(self.model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=1e-6)
+
+    def step(self, mode: str) -> None:
+        """`_Learner.step`, with checkpointing inside `checkpointed_layers` as the learner stage's micro-step (which
+        leaves backward outside it: the same, since a checkpoint's recomputation does not read the flags)."""
+        from stages.learner.shadow_attention import checkpointed_layers
+
+        with checkpointed_layers(self.model) if self.gradient_checkpointing else contextlib.nullcontext():
+            super().step(mode)
+
+
+def _saved_for_backward(model, run: Callable[[], None]) -> tuple[float, float]:
+    """`run()` (a step) under autograd's saved-tensor hooks: MiB autograd keeps for backward (distinct storages,
+    parameters excluded), all of it and the part first saved inside LoRA's adapter branches (lora_A / lora_B /
+    lora_dropout; a frozen base linear keeps no input, so its adapter keeps it). Tensors inside a checkpointed
+    layer are recomputed, not kept: not counted (nor the layer inputs the checkpoints hold)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    adapter: set[int] = set()
+    depth = [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+            if depth[0]:
+                adapter.add(storage.data_ptr())
+        return t
+
+    handles = []
+    for name, module in model.named_modules():
+        if name.split(".")[-2:-1] in (["lora_A"], ["lora_B"], ["lora_dropout"]):
+            handles.append(module.register_forward_pre_hook(lambda *a: depth.__setitem__(0, depth[0] + 1)))
+            handles.append(module.register_forward_hook(lambda *a: depth.__setitem__(0, depth[0] - 1)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(saved.values()) / 2**20, sum(saved[k] for k in adapter) / 2**20
 
 
 def _bytes(tensors) -> int:
@@ -593,19 +645,22 @@ def _bytes(tensors) -> int:
 
 
 def _child_lora(mode: str, T: int, block_size: int, threads: int, shape: str, lora_rank: int | None, rounds: int,
-                chunk_tokens: int | None = None, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+                chunk_tokens: int | None = None, device: str = "cpu", dtype: str = "float32",
+                gradient_checkpointing: bool = False) -> dict[str, Any]:
     """One learner (`mode`, full fine-tuning or LoRA of `lora_rank`) alone in this process: a warm-up step (AdamW
     allocates its state), one step whose memory is measured, then `rounds` timed steps (median). Memory itemized:
     weights, trainable parameters (their gradients are as large), AdamW state, the step's working memory (peak
     minus before it: activations, gradients, temporaries), and the process's peak (CPU: VmHWM, the runtime
-    included; CUDA: the peak allocation)."""
+    included; CUDA: the peak allocation); the warm-up step counts what autograd saves for backward
+    (`_saved_for_backward`). `checkpointing`: whether the model's layers are checkpointed (`gradient_checkpointing`)."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
-    learner = _LoraLearner(T, block_size, threads, shape, lora_rank, chunk_tokens, device=device, dtype=dtype)
+    learner = _LoraLearner(T, block_size, threads, shape, lora_rank, chunk_tokens, device=device, dtype=dtype,
+                           gradient_checkpointing=gradient_checkpointing)
     params = list(learner.model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    learner.step(mode)
+    saved_mb, adapter_saved_mb = _saved_for_backward(learner.model, lambda: learner.step(mode))
     optimizer = [t for state in learner.opt.state.values() for t in state.values() if torch.is_tensor(t)]
     if cuda:
         _sync(device)
@@ -633,16 +688,20 @@ def _child_lora(mode: str, T: int, block_size: int, threads: int, shape: str, lo
     mib = 2.0**20
     return {"step_s": statistics.median(times), "times": times, "weights_mb": _bytes(params) / mib,
             "trainable": sum(p.numel() for p in trainable), "trainable_mb": _bytes(trainable) / mib,
-            "optimizer_mb": _bytes(optimizer) / mib, "working_mb": working / mib, "peak_mb": peak / mib}
+            "optimizer_mb": _bytes(optimizer) / mib, "working_mb": working / mib, "peak_mb": peak / mib,
+            "saved_mb": saved_mb, "adapter_saved_mb": adapter_saved_mb,
+            "checkpointing": bool(learner.model.is_gradient_checkpointing)}
 
 
 def run_lora_bench(shape: str, lora_rank: int, lengths=None, rounds: int = 3, block_size: int = 128, threads: int = 1,
                    timeout_s: int = 3600, print_fn=print, chunk_tokens: int | None = None, device: str = "cpu",
-                   dtype: str = "float32") -> list[dict[str, Any]]:
+                   dtype: str = "float32", gradient_checkpointing: bool = False) -> list[dict[str, Any]]:
     """`smdctl bench learner --lora-rank R`: one smd learner step (the shadow-masked policy with gradient and the
     dense teacher, as `smdctl learn` runs it: sdpa on the CPU, flex on CUDA) with full fine-tuning and with LoRA of
     rank R, per T each in its own process (CPU) or one after the other (CUDA): step time, and memory itemized
-    (`_child_lora`). Target (issue 43): LoRA's peak <= 0.5 x full fine-tuning's at the SmolLM2 shape."""
+    (`_child_lora`). Target (issue 43): LoRA's peak <= 0.5 x full fine-tuning's at the SmolLM2 shape.
+    `gradient_checkpointing`: both learners with every decoder layer checkpointed (`learner.gradient_checkpointing`),
+    rows labelled "+ckpt"."""
     from schemas.errors import SmdInputError
     from stages.common.model import DTYPES, resolve_device
 
@@ -660,12 +719,18 @@ def run_lora_bench(shape: str, lora_rank: int, lengths=None, rounds: int = 3, bl
         raise SmdInputError("bench learner: lengths must be >= 16 tokens")
     mode = "smd_flex" if where.type == "cuda" else "smd_sdpa"
     peak_what = "peak CUDA allocation" if where.type == "cuda" else "peak RSS of the process (runtime included)"
-    print_fn(f"bench learner, LoRA rank {lora_rank} (alpha {2 * lora_rank}, all linear layers) vs full fine-tuning: "
+    ckpt = " +ckpt" if gradient_checkpointing else ""
+    names = [(f"full{ckpt}", None), (f"lora r{lora_rank}{ckpt}", lora_rank)]
+    w = max(14, max(len(n) for n, _ in names) + 2)
+    print_fn(f"bench learner, LoRA rank {lora_rank} (alpha {2 * lora_rank}, all linear layers) vs full fine-tuning"
+             + (", both with gradient checkpointing of every decoder layer (+ckpt: learner.gradient_checkpointing; "
+                "the teacher then runs as its own dense pass, as in the learner)" if gradient_checkpointing else "")
+             + ": "
              f"{describe_shape(shape)}, {weights_note(shape)}1 sequence of T tokens (prompt 3T/4), SnapKV-like masks "
              f"keep 0.5, learner {LABELS[mode]} (teacher + masked policy), {dtype} on {where}, {threads or 'default'} "
              f"thread(s). Step = forward + backward + AdamW, median of {rounds} after a warm-up; work = the step's "
              f"working memory (activations, gradients); held = weights + AdamW + work; peak = {peak_what}")
-    print_fn(f"{'T':>5}  {'learner':<14}{'trainable':>12}{'weights':>9}{'AdamW':>9}{'work':>9}{'held':>9}{'peak MiB':>10}"
+    print_fn(f"{'T':>5}  {'learner':<{w}}{'trainable':>12}{'weights':>9}{'AdamW':>9}{'work':>9}{'held':>9}{'peak MiB':>10}"
              f"{'x full':>8}{'step s':>8}{'x full':>8}")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     root = Path(__file__).resolve().parents[2]
@@ -673,35 +738,41 @@ def run_lora_bench(shape: str, lora_rank: int, lengths=None, rounds: int = 3, bl
     rows: list[dict[str, Any]] = []
     for T in lengths:
         per: dict[str, dict[str, Any]] = {}
-        for name, rank in (("full", None), (f"lora r{lora_rank}", lora_rank)):
+        for name, rank in names:
             args = {"kind": "lora", "mode": mode, "T": T, "block_size": block_size, "threads": threads,
                     "shape": shape, "lora_rank": rank, "rounds": rounds, "chunk_tokens": chunk_tokens,
-                    "device": str(where), "dtype": dtype}
+                    "device": str(where), "dtype": dtype, "gradient_checkpointing": gradient_checkpointing}
             if where.type == "cuda":
-                out, err = _child_lora(mode, T, block_size, 0, shape, rank, rounds, chunk_tokens, str(where), dtype), ""
+                out, err = _child_lora(mode, T, block_size, 0, shape, rank, rounds, chunk_tokens, str(where), dtype,
+                                       gradient_checkpointing), ""
                 gc.collect()
                 __import__("torch").cuda.empty_cache()
             else:
                 out, err = _run_child(args, env, timeout_s)
             if out is None:
-                print_fn(f"{T:>5}  {name:<14} failed: {err}")
+                print_fn(f"{T:>5}  {name:<{w}} failed: {err}")
                 continue
             per[name] = {"T": T, "learner": name, "lora_rank": rank, **out}
-        full = per.get("full")
+        full = per.get(names[0][0])
         for name, r in per.items():
             r["mem_ratio"] = _ratio(r["peak_mb"], full["peak_mb"]) if full else float("nan")
             r["time_ratio"] = _ratio(r["step_s"], full["step_s"]) if full else float("nan")
             r["held_mb"] = r["weights_mb"] + r["optimizer_mb"] + r["working_mb"]
             rows.append(r)
-            print_fn(f"{T:>5}  {name:<14}{r['trainable']:>12,}{r['weights_mb']:>9.0f}{r['optimizer_mb']:>9.1f}"
+            print_fn(f"{T:>5}  {name:<{w}}{r['trainable']:>12,}{r['weights_mb']:>9.0f}{r['optimizer_mb']:>9.1f}"
                      f"{r['working_mb']:>9.0f}{r['held_mb']:>9.0f}{r['peak_mb']:>10.0f}{r['mem_ratio']:>7.2f}x{r['step_s']:>8.3f}"
                      f"{r['time_ratio']:>7.2f}x")
     picked = [r for r in rows if r["lora_rank"]]
     if picked:
         worst = max(picked, key=lambda r: r["mem_ratio"])
         verdict = "PASS" if worst["mem_ratio"] <= LORA_TARGET_MEMORY else "MISS"
-        print_fn(f"target LoRA peak memory <= {LORA_TARGET_MEMORY}x full fine-tuning: worst {worst['mem_ratio']:.2f}x "
-                 f"at T={worst['T']} -> {verdict}")
+        print_fn(f"target LoRA peak memory <= {LORA_TARGET_MEMORY}x full fine-tuning{ckpt}: worst "
+                 f"{worst['mem_ratio']:.2f}x at T={worst['T']} -> {verdict}")
+    if rows:
+        print_fn("saved for backward by autograd in the warm-up step (MiB, distinct tensors, parameters excluded; "
+                 "inside checkpointed layers recomputed, not kept): all / in LoRA's adapter branches")
+        for r in rows:
+            print_fn(f"{r['T']:>5}  {r['learner']:<{w}}{r['saved_mb']:>9.0f}{r['adapter_saved_mb']:>9.0f}")
     return rows
 
 
@@ -712,7 +783,8 @@ if __name__ == "__main__":
     extra = {"shape": args.get("shape", "tiny"), "chunk_tokens": args.get("chunk_tokens")}
     if args["kind"] == "lora":
         out = _child_lora(args["mode"], args["T"], args["block_size"], args["threads"], args["shape"],
-                          args["lora_rank"], args["rounds"], args.get("chunk_tokens"), args["device"], args["dtype"])
+                          args["lora_rank"], args["rounds"], args.get("chunk_tokens"), args["device"], args["dtype"],
+                          args.get("gradient_checkpointing", False))
     elif args["kind"] == "time":
         out = _child_time(args["modes"], args["T"], args["rounds"], args["block_size"], args["threads"], **extra)
     else:
