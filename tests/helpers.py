@@ -224,6 +224,20 @@ def make_iteration(root: Path, model_dir: Path, prompts: Path, params, name: str
     return out["trajectories"], c["masks"]
 
 
+def replay_gap(params, policy: Path, rollout: dict[str, Path], masks_path: Path) -> tuple[Path, float]:
+    """Compact a rollout's raw masks to `masks_path`, replay every row in the learner (shadow-masked, micro-batches
+    of 3): (the compacted masks, the largest |learner - rollout| log-prob)."""
+    from stages.learner.data import load_learner_data
+    from stages.learner.train import score_rows
+
+    c = run_compaction(CompactionParams(chunk_rows=2), rollout["trajectories"], rollout["raw_masks"], masks_path)
+    data = load_learner_data(params.learner, rollout["trajectories"], c["masks"], 2, 2, need_masks=True)
+    rows = list(range(len(data)))
+    got = score_rows(load_policy(policy), data, rows, masked=True, temperature=params.rollout.temperature,
+                     micro_batch_size=3)
+    return c["masks"], max(float(np.abs(got[i] - data.rollout_logprobs[i]).max()) for i in rows if len(got[i]))
+
+
 def params_of(policy_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(policy_dir / "model.safetensors"))
 

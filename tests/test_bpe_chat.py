@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
 from schemas.params import load_params
-from schemas.params.compaction import CompactionParams
 from schemas.params.model import TinyModelParams
 from schemas.tables import read_table
 from stages.common.model import (
@@ -25,12 +23,10 @@ from stages.common.model import (
     rendered_as_chat,
     response_ids,
 )
-from stages.compaction import run_compaction
-from stages.learner.data import load_learner_data
-from stages.learner.train import run_learner, score_rows
+from stages.learner.train import run_learner
 from stages.prepare.stage import run_prepare
 from stages.rollout.stage import run_rollout
-from tests.helpers import empty_params
+from tests.helpers import empty_params, replay_gap
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 512}
@@ -116,13 +112,9 @@ def test_init_model_bpe_chat_prompts_through_learn(tmp_path):
     for row in read_table(out["train"], "prompts").to_pylist():  # rendered through the chat template
         assert row["prompt_token_ids"][0] == start and tok.decode(row["prompt_token_ids"]).endswith("assistant\n")
     r = run_rollout(params, 1, policy, out["train"], tmp_path / "rollout", show_progress=False)
-    c = run_compaction(CompactionParams(chunk_rows=2), r["trajectories"], r["raw_masks"], tmp_path / "masks.zarr")
-    data = load_learner_data(params.learner, r["trajectories"], c["masks"], 2, 2, need_masks=True)
-    rows = list(range(len(data)))
-    got = score_rows(load_policy(policy), data, rows, masked=True, temperature=params.rollout.temperature,
-                     micro_batch_size=3)
-    assert max(float(np.abs(got[i] - data.rollout_logprobs[i]).max()) for i in rows if len(got[i])) <= 1e-5
-    learned = run_learner(params, 1, policy, r["trajectories"], c["masks"], tmp_path / "iter-001" / "policy")
+    masks, gap = replay_gap(params, policy, r, tmp_path / "masks.zarr")
+    assert gap <= 1e-5
+    learned = run_learner(params, 1, policy, r["trajectories"], masks, tmp_path / "iter-001" / "policy")
     details = json.loads(learned["details"].read_text())
     assert details["mismatch/logprob_abs_diff_max"] <= 1e-5 and details["learner/global_step"] >= 1
     assert load_tokenizer(learned["policy"]).chat_template == tok.chat_template  # the new policy keeps it

@@ -15,26 +15,21 @@ from typer.testing import CliRunner
 from cli.main import app
 from schemas.errors import SmdInputError
 from schemas.params import load_params
-from schemas.params.compaction import CompactionParams
 from schemas.params.rollout import EvictionParams
 from schemas.raw_masks import read_raw_masks
 from schemas.tables import read_table
 from stages.common.model import (
     build_bpe_tokenizer,
     chat_template_tail,
-    load_policy,
     load_tokenizer,
     observation_window_tail,
     prompt_token_ids,
 )
 from stages.common.vocab import bpe_training_corpus
-from stages.compaction import run_compaction
 from stages.evaluate.stage import run_evaluate
-from stages.learner.data import load_learner_data
-from stages.learner.train import score_rows
 from stages.prepare.stage import run_prepare
 from stages.rollout.stage import run_rollout
-from tests.helpers import empty_params, smollm2_like_tokenizer
+from tests.helpers import empty_params, replay_gap, smollm2_like_tokenizer
 from tests.test_bpe_chat import SMALL
 
 ANCHORED = EvictionParams(policy="snapkv", window_anchor="user_end")
@@ -104,12 +99,7 @@ def test_rollout_and_replay_with_the_anchored_window(chat_project):
         assert read_table(r["trajectories"], "trajectories").num_rows == 8
     assert evict["prompt_end"].shape == evict["user_end"].shape
     assert not np.array_equal(evict["prompt_end"], evict["user_end"])
-    c = run_compaction(CompactionParams(chunk_rows=2), r["trajectories"], r["raw_masks"], tmp / "masks.zarr")
-    learner = load_learner_data(params.learner, r["trajectories"], c["masks"], 2, 2, need_masks=True)
-    rows = list(range(len(learner)))
-    got = score_rows(load_policy(policy), learner, rows, masked=True, temperature=params.rollout.temperature,
-                     micro_batch_size=3)
-    assert max(float(np.abs(got[i] - learner.rollout_logprobs[i]).max()) for i in rows if len(got[i])) <= 1e-5
+    assert replay_gap(params, policy, r, tmp / "masks.zarr")[1] <= 1e-5
 
 
 def test_evaluate_anchored_and_refuses_unrendered_prompts(chat_project, tmp_path):
