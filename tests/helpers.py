@@ -224,6 +224,11 @@ def make_iteration(root: Path, model_dir: Path, prompts: Path, params, name: str
     return out["trajectories"], c["masks"]
 
 
+# A tiny Qwen3 shape for the BPE chat-model tests (model.tiny.* overrides of `smdctl init-model`).
+SMALL_CHAT_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 512}
+
+
 def replay_gap(params, policy: Path, rollout: dict[str, Path], masks_path: Path) -> tuple[Path, float]:
     """Compact a rollout's raw masks to `masks_path`, replay every row in the learner (shadow-masked, micro-batches
     of 3): (the compacted masks, the largest |learner - rollout| log-prob)."""

@@ -26,10 +26,9 @@ from stages.common.model import (
 from stages.learner.train import run_learner
 from stages.prepare.stage import run_prepare
 from stages.rollout.stage import run_rollout
-from tests.helpers import empty_params, replay_gap
+from tests.helpers import SMALL_CHAT_MODEL, empty_params, replay_gap
 
-SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 512}
+SMALL = SMALL_CHAT_MODEL
 SHAPE = TinyModelParams(**SMALL, tokenizer="bpe", bpe_vocab_size=400)
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json", "chat_template.jinja")

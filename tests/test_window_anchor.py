@@ -29,8 +29,7 @@ from stages.common.vocab import bpe_training_corpus
 from stages.evaluate.stage import run_evaluate
 from stages.prepare.stage import run_prepare
 from stages.rollout.stage import run_rollout
-from tests.helpers import empty_params, replay_gap, smollm2_like_tokenizer
-from tests.test_bpe_chat import SMALL
+from tests.helpers import SMALL_CHAT_MODEL, empty_params, replay_gap, smollm2_like_tokenizer
 
 ANCHORED = EvictionParams(policy="snapkv", window_anchor="user_end")
 
@@ -72,7 +71,7 @@ def test_anchor_is_snapkvs_only(policy):
 def chat_project(tmp_path_factory):
     """A tiny BPE chat model (init-model) and its chat-rendered kv_retrieval data."""
     tmp = tmp_path_factory.mktemp("anchor")
-    sizing = [f"model.tiny.{k}={v}" for k, v in SMALL.items()] + ["model.tiny.tokenizer=bpe"]
+    sizing = [f"model.tiny.{k}={v}" for k, v in SMALL_CHAT_MODEL.items()] + ["model.tiny.tokenizer=bpe"]
     res = CliRunner().invoke(app, ["init-model", "--params", str(empty_params(tmp)), "--out", str(tmp / "policy"),
                                    *[x for s in sizing for x in ("-S", s)]])
     assert res.exit_code == 0, res.output
