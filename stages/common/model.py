@@ -400,7 +400,7 @@ def observation_window_tail(eviction, tokenizer, prompts: list[list[int]] | None
         return 0
     tail = chat_template_tail(tokenizer)
     for ids in prompts or []:
-        if list(ids[len(ids) - len(tail):]) != tail or len(ids) < len(tail):
+        if len(ids) < len(tail) or list(ids[len(ids) - len(tail):]) != tail:
             raise SmdInputError(
                 f"{source}: prompt_token_ids: a prompt does not end with the chat template's closing tokens "
                 f"{tokenizer.decode(tail)!r} ({field} user_end needs prompts rendered through the policy's template; "

@@ -568,7 +568,7 @@ def generate_batch(
     if not eviction.apply:  # rollout.eviction.apply false: the prefill's decisions, recorded but not applied
         simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id, share_prompt,
                                                 window_tail)
-        eviction = eviction.model_copy(update={"policy": "dense", "apply": True, "window_anchor": "prompt_end"})
+        eviction = eviction.model_copy(update={"policy": "dense", "apply": True})
     state = new_state(model, prompts, eviction, max_new_tokens, window_tail)
     cache = EvictingCache(state)
     kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
