@@ -175,6 +175,35 @@ def test_resume_equals_uninterrupted(tmp_path, setup):
     assert max_param_diff(params_of(a["policy"]), params_of(fresh["policy"])) > 1e-5  # the state mattered
 
 
+def test_zero_stage_auto_resolves_by_process_count_and_saved_state():
+    """`learner.zero_stage: auto`: a resumed state's stage, else 0 on one process and 1 on several; a set stage
+    is kept."""
+    from stages.learner.deepspeed_runtime import zero_stage_for
+
+    assert [zero_stage_for("auto", w) for w in (1, 2, 8)] == [0, 1, 1]
+    assert [zero_stage_for("auto", 1, s) for s in (0, 1, 2)] == [0, 1, 2]
+    assert zero_stage_for("auto", 4, 0) == 0
+    assert [zero_stage_for(s, 1, 0) for s in (0, 1, 2)] == [0, 1, 2]
+
+
+def test_auto_zero_stage_resumes_a_stage_one_state_bit_for_bit(tmp_path, setup):
+    """A trainer state saved under ZeRO 1 resumes under `auto` as under an explicit 1 (its stage is kept, so
+    the optimizer moments load), and a fresh one-process run records stage 0."""
+    root, model_dir, _, traj, masks = setup
+    common = {"learner.objective": "dense"}
+    b1 = run_learner(make_params(**common, **{"learner.zero_stage": 1}), 1, model_dir, traj, masks,
+                     tmp_path / "b1" / "policy")
+    b2 = {stage: run_learner(make_params(**common, **{"learner.zero_stage": stage}), 2, b1["policy"], traj, masks,
+                             tmp_path / f"b2-{stage}" / "policy") for stage in ("auto", 1)}
+    m = json.loads(b2["auto"]["details"].read_text())
+    assert m["learner/resumed_optimizer"] and m["config"]["learner"]["zero_stage"] == 1
+    assert max_param_diff(params_of(b2["auto"]["policy"]), params_of(b2[1]["policy"])) == 0
+    fresh = run_learner(make_params(**common), 1, model_dir, traj, masks, tmp_path / "fresh" / "policy")
+    assert json.loads(fresh["details"].read_text())["config"]["learner"]["zero_stage"] == 0
+    state = json.loads((fresh["trainer_state"] / "trainer_state.json").read_text())
+    assert state["zero_stage"] == 0
+
+
 def test_micro_batching_does_not_change_the_update(tmp_path, setup):
     """Gradient accumulation is exact: micro-batch 1 and 6 (whole batch) give the same update. (Adam's first
     step lr * g / (|g| + eps) amplifies the float noise of gradients near eps by lr / eps: adam_eps 1e-6.)"""

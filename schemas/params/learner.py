@@ -7,7 +7,7 @@ learner must score tokens at `rollout.temperature`, the distribution that sample
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -274,14 +274,14 @@ class LearnerParams(BaseModel):
     adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
-    zero_stage: int = Field(
-        1,
-        ge=0,
-        le=2,
+    zero_stage: Annotated[int, Field(ge=0, le=2)] | Literal["auto"] = Field(
+        "auto",
         description="DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = optimizer state partitioned across "
-        "processes, 2 = optimizer state and gradients partitioned. One process by default (several through the "
-        "`deepspeed` launcher). On one process stages 1 and 2 partition nothing but keep flat fp32 copies of the "
-        "parameters and gradients (+1.36 GB peak on SmolLM2-135M); 0 avoids them (docs/design.md §3c).",
+        "processes, 2 = optimizer state and gradients partitioned. auto = the stage a resumed trainer state was "
+        "saved with (its resume stays bit for bit), else 0 on one process and 1 on several (`zero_stage_for`). "
+        "One process by default (several through the `deepspeed` launcher); there stages 1 and 2 partition "
+        "nothing but keep flat fp32 copies of the parameters and gradients (+1.36 GB peak on SmolLM2-135M), "
+        "which 0 avoids (docs/design.md §3c).",
     )
     attention_backend: AttentionBackend = Field(
         "auto",

@@ -64,12 +64,23 @@ def bucket_size(hidden_size: int) -> int:
     return int(min(DS_BUCKET_DEFAULT, hidden_size * hidden_size))
 
 
+def zero_stage_for(setting: int | str, world: int, saved_stage: int | None = None) -> int:
+    """`learner.zero_stage` resolved. `auto`: the stage of the trainer state being resumed (`saved_stage`), so a
+    resume stays bit for bit; else 0 on one process, where ZeRO partitions nothing yet keeps flat fp32 copies of
+    the parameters and gradients (docs/design.md §3c), and 1 on several (the optimizer state sharded)."""
+    if setting != "auto":
+        return int(setting)
+    if saved_stage is not None:
+        return saved_stage
+    return 0 if world == 1 else 1
+
+
 def ds_config(cfg: LearnerParams, world: int, grad_accum: int, dtype: torch.dtype, cuda: bool,
               load_universal: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
     """The engine's config. On CUDA with `hidden_size` known, ZeRO's buckets are `bucket_size(hidden_size)`
     instead of DeepSpeed's 5e8-element default (issue 32: a 2 GiB float32 buffer on the GPU); the CPU keeps
     DeepSpeed's defaults."""
-    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    zero: dict[str, Any] = {"stage": zero_stage_for(cfg.zero_stage, world)}
     if cuda and hidden_size:
         zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = bucket_size(hidden_size)
     return {
@@ -185,6 +196,12 @@ def _saved_meta(policy_path: Path) -> dict[str, Any] | None:
     return meta
 
 
+def saved_zero_stage(policy_path: Path) -> int | None:
+    """The ZeRO stage of the trainer state saved beside `policy_path`; None when it has none."""
+    meta = _saved_meta(policy_path)
+    return None if meta is None else int(meta["zero_stage"])
+
+
 def resume_mode(policy_path: Path, cfg: LearnerParams, ctx: DistContext) -> str | None:
     """How the trainer state saved beside `policy_path` resumes under this run's process count and ZeRO stage:
     SAME (DeepSpeed's checkpoint as saved), UNIVERSAL (converted to a universal checkpoint) or None (nothing
@@ -193,9 +210,10 @@ def resume_mode(policy_path: Path, cfg: LearnerParams, ctx: DistContext) -> str 
     if meta is None:
         return None
     world, stage = meta.get("world_size"), meta.get("zero_stage")
-    if stage == cfg.zero_stage and (world == ctx.world or stage == 0):
+    running = zero_stage_for(cfg.zero_stage, ctx.world, stage)
+    if stage == running and (world == ctx.world or stage == 0):
         return SAME  # stage 0: every process holds the whole optimizer state (one file for any count)
-    if stage in (1, 2) and cfg.zero_stage in (1, 2) and isinstance(world, int):
+    if stage in (1, 2) and running in (1, 2) and isinstance(world, int):
         return UNIVERSAL
     return None
 
@@ -245,7 +263,7 @@ def load_trainer_state(engine, policy_path: Path, cfg: LearnerParams, ctx: DistC
     if meta is None:
         return None
     mode = resume_mode(policy_path, cfg, ctx)
-    want = {"world_size": ctx.world, "zero_stage": cfg.zero_stage}
+    want = {"world_size": ctx.world, "zero_stage": zero_stage_for(cfg.zero_stage, ctx.world, meta.get("zero_stage"))}
     got = {k: meta.get(k) for k in want}
     if mode is None:
         if ctx.is_main:

@@ -79,6 +79,8 @@ from stages.learner.deepspeed_runtime import (
     make_engine,
     release_engine,
     save_trainer_state,
+    saved_zero_stage,
+    zero_stage_for,
 )
 from stages.learner.ema import ema_path, ema_teacher, ema_update_, save_ema
 from stages.learner.kl_tokens import kl_token_mask
@@ -553,8 +555,13 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     ref_model = reference if cfg.ref_kl_coef > 0 else None
 
     ctx = init_distributed(device=params.model.device)  # model.device for this local rank; gloo on CPU, NCCL on CUDA
-    # `auto` resolved for the device it runs on (flex on CUDA, sdpa on the CPU); the record names what ran
-    cfg = cfg.model_copy(update={"attention_backend": cfg.backend_for(ctx.device.type)})
+    # under learner.lora only a continued adapter's trainer state is its own (a full policy's is the full model's)
+    resume = cfg.resume_optimizer and (lora is None or lora.continued)
+    # `auto` resolved for the device it runs on (flex on CUDA, sdpa on the CPU) and for the process count and the
+    # trainer state resumed (ZeRO stage); the record names what ran
+    cfg = cfg.model_copy(update={
+        "attention_backend": cfg.backend_for(ctx.device.type),
+        "zero_stage": zero_stage_for(cfg.zero_stage, ctx.world, saved_zero_stage(policy_path) if resume else None)})
     torch.manual_seed(seed * 1_000_003 + iteration)
     np.random.seed((seed * 1_000_003 + iteration) % (1 << 32))
     random.seed(seed * 1_000_003 + iteration)  # every RNG the trainer state saves: reruns are byte-identical
@@ -565,8 +572,6 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     if cfg.gradient_checkpointing:
         enable_layer_checkpointing(model)
     steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
-    # under learner.lora only a continued adapter's trainer state is its own (a full policy's is the full model's)
-    resume = cfg.resume_optimizer and (lora is None or lora.continued)
     engine = make_engine(model, cfg, ctx, grad_accum, resume_from=policy_path if resume else None)
     resumed = load_trainer_state(engine, policy_path, cfg, ctx) if resume else None
     say = (log or (lambda msg: None)) if ctx.is_main else (lambda msg: None)  # progress lines from rank 0 only
