@@ -188,7 +188,7 @@ def test_zero_stage_auto_resolves_by_process_count_and_saved_state():
 
 def test_auto_zero_stage_resumes_a_stage_one_state_bit_for_bit(tmp_path, setup):
     """A trainer state saved under ZeRO 1 resumes under `auto` as under an explicit 1 (its stage is kept, so
-    the optimizer moments load), and a fresh one-process run records stage 0."""
+    the optimizer moments load); a fresh one-process run records stage 0 and takes stage 1's step."""
     root, model_dir, _, traj, masks = setup
     common = {"learner.objective": "dense"}
     b1 = run_learner(make_params(**common, **{"learner.zero_stage": 1}), 1, model_dir, traj, masks,
@@ -202,6 +202,8 @@ def test_auto_zero_stage_resumes_a_stage_one_state_bit_for_bit(tmp_path, setup):
     assert json.loads(fresh["details"].read_text())["config"]["learner"]["zero_stage"] == 0
     state = json.loads((fresh["trainer_state"] / "trainer_state.json").read_text())
     assert state["zero_stage"] == 0
+    # one process: stage 0 steps the same AdamW as stage 1's flat partition (the default's change moves no result)
+    assert max_param_diff(params_of(fresh["policy"]), params_of(b1["policy"])) <= 1e-6
 
 
 def test_micro_batching_does_not_change_the_update(tmp_path, setup):
