@@ -183,6 +183,10 @@ def bench_learner_cmd(
         "--gradient-checkpointing/--no-gradient-checkpointing",
         help="With --lora-rank: both learners with every decoder layer checkpointed (learner.gradient_checkpointing); "
              "rows labelled +ckpt.")] = False,
+    profile: Annotated[bool, typer.Option(
+        "--profile/--no-profile",
+        help="With --group-size: after the timed runs, each arm once more under torch.profiler: its phases "
+             "(parity pass, forward, lm head, backward, optimizer) and top operators by self CPU time.")] = False,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
     if gradient_checkpointing and (lora_rank is None or group_size is not None):
@@ -198,7 +202,7 @@ def bench_learner_cmd(
             from stages.bench.learner_grpo import bench_learner_grpo
 
             bench_learner_grpo(model, group_size, prompts, prompt_tokens, response_tokens, micro_batch_size, repeats,
-                               threads, cores)
+                               threads, cores, profile=profile)
 
         guarded(grpo)
         return

@@ -205,3 +205,24 @@ def test_bench_rollout_on_a_model_directory(converted):
     assert largest_batch(100, 30) == 3 and largest_batch(10, 30) == 0
     assert is_model_dir(str(converted)) and not is_model_dir("tiny")
     assert "9 q / 3 kv heads" in describe_shape(str(converted))
+
+
+def test_bench_learner_grpo_profile_clocks_the_step(converted):
+    """`bench learner --model DIR --group-size G --profile`: the table's row, then the profiled run's phases (the
+    step's parts, each clocked once: they fit inside the learn call) and its top operators."""
+    from stages.bench.learner_grpo import bench_learner_grpo
+
+    lines: list[str] = []
+    rows = bench_learner_grpo(converted, group_size=2, prompts=2, prompt_tokens=24, response_tokens=4,
+                              micro_batch_size=2, repeats=1, threads=1, arms=["smd shared"], profile=True,
+                              log=lines.append)
+    assert [r["arm"] for r in rows] == ["smd shared"] and rows[0]["step_s"] > 0
+    profile = next(line for line in lines if line.startswith("# profile, smd shared"))
+    seconds = {part.rsplit(" ", 2)[0].strip(): float(part.rsplit(" ", 2)[1])
+               for part in profile.split(": ", 1)[1].split("; ")[0].split(", ")}
+    assert {"parity pass", "forward", "lm head", "backward", "optimizer"} <= seconds.keys()
+    assert all(seconds[k] > 0 for k in ("parity pass", "forward", "backward", "optimizer"))
+    learn_s = float(profile.rsplit("learn call ", 1)[1].split(" ")[0])
+    assert sum(v for k, v in seconds.items() if k != "step other") <= learn_s
+    table = lines[lines.index("| operator | self CPU s | calls |") + 2:]
+    assert len(table) >= 5 and any("aten::" in line for line in table[:12])

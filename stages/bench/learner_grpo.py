@@ -20,21 +20,35 @@ the learner (Python, torch, DeepSpeed imported), the policy loaded (weights), th
 (optimizer state and DeepSpeed's buffers), and the peak over the parity pass and the step (activations, logits,
 the teacher's pass and the gradients). The synthetic rollout log-probs are not the model's, so the parity gate is
 opened (learner.parity_tol 1e9); everything else runs as `smdctl learn` runs it.
+
+`profile=True` (`--profile`) runs every arm once more after the timed runs, untimed, with the learner's phases
+clocked (the parity pass; in the step: micro-batch building, the forward, the lm head's scores, the backward,
+AdamW through DeepSpeed's `engine.step`) and the whole learn call under `torch.profiler`: its top operators by
+self CPU time are printed per arm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stages.bench.learner import _status_kib
+
+# the learner's phases the profile clocks: train.py's module-level name -> phase
+PHASES: dict[str, str] = {
+    "build_micro_batch": "micro-batch",
+    "shared_prompt_hidden": "forward", "response_hidden_with_teacher": "forward", "micro_batch_hidden": "forward",
+    "forward_logp": "forward", "chunked_token_scores": "lm head",
+}
 
 ARMS: tuple[tuple[str, str, bool], ...] = (
     ("smd shared", "smd", True),
@@ -126,20 +140,57 @@ def arm_main(spec_json: str) -> None:
         return out
 
     train.load_policy, train.make_engine = loaded, engine
+    clock: dict[str, float] = {}
+    profiler = None
+    if spec.get("profile"):
+        inside: list[str] = []  # phases open now: the step's parts count inside it, but once each (no nesting)
+
+        def timed(phase: str, fn):
+            def wrapper(*args, **kwargs):
+                if [p for p in inside if p != "step"]:
+                    return fn(*args, **kwargs)
+                inside.append(phase)
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    clock[phase] = clock.get(phase, 0.0) + time.perf_counter() - t0
+                    inside.pop()
+            return wrapper
+
+        for name, phase in PHASES.items():
+            setattr(train, name, timed(phase, getattr(train, name)))
+        train.parity_pass = timed("parity pass", train.parity_pass)
+        train.train_step = timed("step", train.train_step)
+
+        def engine_timed(*args, **kwargs):
+            out = engine(*args, **kwargs)
+            eng = out[0] if isinstance(out, tuple) else out
+            eng.backward = timed("backward", eng.backward)
+            eng.step = timed("optimizer", eng.step)
+            return out
+
+        train.make_engine = engine_timed
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     params = load_params(None, [
         f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
         f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
         "learner.resume_optimizer=false", "learner.lr=1e-7", f"learner.attention_backend={spec['backend']}",
         "rollout.eviction.policy=snapkv", f"rollout.temperature={spec['temperature']}",
     ])
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, profiler or contextlib.nullcontext():
         out = train.run_learner(params, 1, Path(spec["model"]), spec["trajectories"], spec["masks"],
                                 Path(tmp) / "policy")
         details = json.loads(out["details"].read_text())
     marks["peak"] = _hwm_mb()
+    top = []
+    if profiler is not None:
+        ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        top = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in ops[:spec.get("top", 12)]]
     print("SMD_BENCH " + json.dumps({
         "step_s": details["learner/seconds_per_step"], "parity_s": details.get("learner/parity_seconds", 0.0),
         "learn_s": details["learner/seconds"], **{f"rss_{k}_mb": v for k, v in marks.items()},
+        "phases": clock, "top_ops": top,
     }), flush=True)
 
 
@@ -158,8 +209,9 @@ def _run_arm(spec: dict[str, Any], cores: str | None) -> dict[str, Any]:
 def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, prompt_tokens: int = 141,
                        response_tokens: int = 16, micro_batch_size: int = 8, repeats: int = 2, threads: int = 1,
                        cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
-                       temperature: float = 0.7, log=print) -> list[dict[str, Any]]:
-    """Run every arm `repeats` times (interleaved), print the table, return its rows."""
+                       temperature: float = 0.7, profile: bool = False, log=print) -> list[dict[str, Any]]:
+    """Run every arm `repeats` times (interleaved), print the table, return its rows; `profile`: then each arm
+    once more, untimed, profiled (its phases and top operators printed after the table)."""
     import torch
     from transformers import AutoConfig
 
@@ -185,6 +237,12 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
                 res = _run_arm(spec, cores)
                 if label not in best or res["step_s"] < best[label]["step_s"]:
                     best[label] = res
+        profiles = {}
+        for label, objective, shared in chosen if profile else ():
+            spec = {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
+                    "shared": shared, "micro_batch_size": micro_batch_size, "threads": threads, "backend": backend,
+                    "temperature": temperature, "profile": True}
+            profiles[label] = _run_arm(spec, cores)
     weights_mb = n_params * 4 / 2**20
     log(f"# analytic: weights {weights_mb:.0f} MB, gradients {weights_mb:.0f} MB, AdamW moments {2 * weights_mb:.0f} MB "
         f"(sum {4 * weights_mb:.0f} MB)")
@@ -202,7 +260,24 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['parity_s']:.2f} | {r['learn_s']:.1f} | {start:.0f} | "
             f"{policy - start:.0f} | {engine - policy:.0f} | {r['rss_peak_mb'] - engine:.0f} | {r['rss_peak_mb']:.0f} |")
         rows.append({"arm": label, **r})
+    for label, prof in profiles.items():
+        log_profile(label, prof, log)
     return rows
+
+
+def log_profile(label: str, prof: dict[str, Any], log=print) -> None:
+    """One arm's profiled run: the step's phases (seconds; `step other` = the step's time outside them: losses,
+    statistics, the parity gate) and the top operators by self CPU time."""
+    ph = prof["phases"]
+    inner = sum(ph.get(k, 0.0) for k in ("micro-batch", "forward", "lm head", "backward", "optimizer"))
+    order = ("parity pass", "micro-batch", "forward", "lm head", "backward", "optimizer")
+    log(f"# profile, {label} (one untimed run, profiler on): "
+        + ", ".join(f"{k} {ph.get(k, 0.0):.2f} s" for k in order)
+        + f", step other {ph.get('step', 0.0) - inner:.2f} s; learn call {prof['learn_s']:.1f} s")
+    log("| operator | self CPU s | calls |")
+    log("|---|---|---|")
+    for name, seconds, calls in prof["top_ops"]:
+        log(f"| {name} | {seconds:.2f} | {calls} |")
 
 
 def _count_model(model_dir: Path):
