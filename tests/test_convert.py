@@ -207,9 +207,11 @@ def test_bench_rollout_on_a_model_directory(converted):
     assert "9 q / 3 kv heads" in describe_shape(str(converted))
 
 
+@pytest.mark.slow
 def test_bench_learner_grpo_profile_clocks_the_step(converted):
-    """`bench learner --model DIR --group-size G --profile`: the table's row, then the profiled run's phases (the
-    step's parts, each clocked once: they fit inside the learn call) and its top operators."""
+    """~25 s (two learner processes): `bench learner --model DIR --group-size G --profile`: the table's row, then
+    the profiled run's phases (the step's parts, each clocked once: they fit inside the learn call) and its top
+    operators."""
     from stages.bench.learner_grpo import bench_learner_grpo
 
     lines: list[str] = []
