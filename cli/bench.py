@@ -87,6 +87,10 @@ def bench_rollout_cmd(
     budget_sequences: Annotated[int, typer.Option(
         min=1, help="With --model: the KV-cache budget is the dense cache of this many sequences of 1024 prompt "
                     "tokens plus the new tokens.")] = 4,
+    profile: Annotated[bool, typer.Option(
+        "--profile/--no-profile",
+        help="With --model and --group-size: after the timed runs, each engine once more under torch.profiler "
+             "(vLLM in this process): its top operators by self CPU time.")] = False,
 ) -> None:
     """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
@@ -104,7 +108,8 @@ def bench_rollout_cmd(
         from stages.bench.rollout import bench_rollout_groups
 
         guarded(lambda: bench_rollout_groups(model, group_size, parse_lengths(), prompts or 16, keep_ratio,
-                                             new_tokens or 16, batch_size or 16, repeats or 2, engine_list))
+                                             new_tokens or 16, batch_size or 16, repeats or 2, engine_list,
+                                             profile=profile))
         return
     if model is not None:
         from stages.bench.rollout import bench_rollout_model

@@ -198,11 +198,18 @@ def test_bench_rollout_groups_without_vllm(tmp_path):
     lines: list[str] = []
     rows = bench_rollout_groups(make_model_dir(tmp_path, "gqa"), 3, [24], num_prompts=2, new_tokens=3, batch_size=4,
                                 repeats=1, engines=["smd-snapkv-shared", "smd-snapkv-per-sample", "smd-dense-shared"],
-                                print_fn=lines.append)
+                                profile=True, print_fn=lines.append)
     by = {r["engine"]: r for r in rows}
     assert all(r["made"] == 2 * 3 * 3 for r in rows)
     assert by["smd-snapkv-shared"]["kv_bytes_per_group"] < by["smd-snapkv-per-sample"]["kv_bytes_per_group"]
     assert "torch threads" in lines[0] and "float32" in lines[0]
+    # --profile: after the table, each engine's untimed run under torch.profiler, its operators ranked
+    heads = [i for i, line in enumerate(lines) if line.startswith("# profile, ")]
+    assert [lines[i].split(",")[1].split()[0] for i in heads] == list(by)
+    ops = lines[heads[0] + 3: heads[1]]
+    assert ops and any("aten::" in line for line in ops)
+    seconds = [float(line.split(" | ")[1]) for line in ops]
+    assert seconds == sorted(seconds, reverse=True) and seconds[0] > 0
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from stages.bench.learner import _status_kib
+from stages.bench.profiling import log_operators, top_operators
 
 # the learner's phases the profile clocks: train.py's module-level name -> phase
 PHASES: dict[str, str] = {
@@ -183,10 +184,7 @@ def arm_main(spec_json: str) -> None:
                                 Path(tmp) / "policy")
         details = json.loads(out["details"].read_text())
     marks["peak"] = _hwm_mb()
-    top = []
-    if profiler is not None:
-        ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        top = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in ops[:spec.get("top", 12)]]
+    top = top_operators(profiler, spec.get("top", 12)) if profiler is not None else []
     print("SMD_BENCH " + json.dumps({
         "step_s": details["learner/seconds_per_step"], "parity_s": details.get("learner/parity_seconds", 0.0),
         "learn_s": details["learner/seconds"], **{f"rss_{k}_mb": v for k, v in marks.items()},
@@ -274,10 +272,7 @@ def log_profile(label: str, prof: dict[str, Any], log=print) -> None:
     log(f"# profile, {label} (one untimed run, profiler on): "
         + ", ".join(f"{k} {ph.get(k, 0.0):.2f} s" for k in order)
         + f", step other {ph.get('step', 0.0) - inner:.2f} s; learn call {prof['learn_s']:.1f} s")
-    log("| operator | self CPU s | calls |")
-    log("|---|---|---|")
-    for name, seconds, calls in prof["top_ops"]:
-        log(f"| {name} | {seconds:.2f} | {calls} |")
+    log_operators(prof["top_ops"], log)
 
 
 def _count_model(model_dir: Path):

@@ -24,6 +24,7 @@ import torch
 from schemas.errors import SmdInputError
 from schemas.params.model import TinyModelParams
 from schemas.params.rollout import POLICIES, EvictionParams
+from stages.bench.profiling import log_operators, profiled
 from stages.common.kvcache.sampler import generate_batch
 from stages.common.model import build_tiny_model, place_model, resolve_device
 
@@ -415,7 +416,8 @@ def _fastest_runs(run, warmup, repeats: int) -> tuple[float, Any]:
 
 def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[int] | None = None,
                          num_prompts: int = 16, keep_ratio: float = 0.5, new_tokens: int = 16, batch_size: int = 16,
-                         repeats: int = 2, engines: list[str] | None = None, print_fn=print) -> list[dict]:
+                         repeats: int = 2, engines: list[str] | None = None, profile: bool = False,
+                         print_fn=print) -> list[dict]:
     """`smdctl bench rollout --model DIR --group-size G`: the GRPO workload, `num_prompts` prompts x G samples of
     `new_tokens` each (temperature 1, EOS ignored), per prompt length in `lengths` (default the spec's 140), float32
     on the CPU's cores this process may use (pin them with `taskset`; torch's thread count is printed).
@@ -429,7 +431,8 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     one after the other (one vLLM engine in a process at a time). KV bytes per group: smd's slot tensors (the
     largest batch's, per sequence x G); vLLM's, the blocks a group holds (`grouped_kv_tokens`,
     `unshared_kv_tokens`) at the longest prompt, and its tokens alone (a block of one token). Prints the table and
-    returns its rows."""
+    returns its rows. `profile`: after the timed runs, one more untimed run of every engine under torch.profiler
+    (vLLM runs in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`), its top operators printed after the table."""
     import os
 
     from stages.common import vllm_sampler
@@ -461,6 +464,7 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     print_fn(f"{'prompt':>6} {'engine':>22} {'seconds':>8} {'tok/s':>7} {'x vllm-pc':>9} {'KV MiB/group':>12} "
              f"{'KV x vllm-pc':>12} {'token KV MiB':>12} {'x vllm-pc':>9}")
     rows: list[dict] = []
+    profiles: dict[tuple[int, str], tuple[float, list]] = {}
     for T in lengths:
         prompts = group_prompts(num_prompts, T, vocab, seed=T)
         jobs = [p for p in prompts for _ in range(group_size)]  # as `group_jobs`: a group's samples adjacent
@@ -481,6 +485,10 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
                 dt = time.perf_counter() - t0
                 if dt < res.get(e, {}).get("seconds", float("inf")):
                     res[e] = {"seconds": dt, "made": made, "kv_bytes_per_group": kv, "token_kv_bytes_per_group": kv}
+        for e in smd_names if profile else ():
+            ev, share = smd[e]
+            profiles[T, e] = profiled(partial(_smd_group_run, model, jobs, ev, share, new_tokens, batch_size,
+                                              group_size))
         for e in vllm_names:
             caching = e == "vllm-prefix-cache"
             engine = vllm_sampler.VllmEngine(model_dir, "float32", longest + new_tokens + 1, batch_size,
@@ -490,6 +498,8 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
                 warm = prompts[: max(1, batch_size // group_size)]  # the first batch's groups
                 dt, made = _fastest_runs(partial(_vllm_group_run, engine, prompts, new_tokens, group_size),
                                          partial(_vllm_group_run, engine, warm, new_tokens, group_size), repeats)
+                if profile:
+                    profiles[T, e] = profiled(partial(_vllm_group_run, engine, prompts, new_tokens, group_size))
             finally:
                 engine.close()
             kv_tokens = grouped_kv_tokens if caching else unshared_kv_tokens
@@ -509,4 +519,7 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
             print_fn(f"{T:>6} {e:>22} {r['seconds']:>8.2f} {rate:>7.1f} {vs:>9.2f} "
                      f"{r['kv_bytes_per_group'] / 2**20:>12.2f} {kv_vs:>12.2f} "
                      f"{r['token_kv_bytes_per_group'] / 2**20:>12.2f} {tok_vs:>9.2f}")
+    for (T, e), (seconds, ops) in profiles.items():
+        print_fn(f"# profile, {e} at {T} prompt tokens (one untimed run, profiler on: {seconds:.2f} s)")
+        log_operators(ops, print_fn)
     return rows
