@@ -209,7 +209,8 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
                        cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
                        temperature: float = 0.7, profile: bool = False, log=print) -> list[dict[str, Any]]:
     """Run every arm `repeats` times (interleaved), print the table, return its rows; `profile`: then each arm
-    once more, untimed, profiled (its phases and top operators printed after the table)."""
+    once more, untimed, profiled (its phases and top operators printed after the table, and in its row's
+    "profile": phases in seconds, top_ops as (name, self CPU seconds, calls))."""
     import torch
     from transformers import AutoConfig
 
@@ -257,7 +258,7 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         engine = r.get("rss_engine_mb", policy)
         log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['parity_s']:.2f} | {r['learn_s']:.1f} | {start:.0f} | "
             f"{policy - start:.0f} | {engine - policy:.0f} | {r['rss_peak_mb'] - engine:.0f} | {r['rss_peak_mb']:.0f} |")
-        rows.append({"arm": label, **r})
+        rows.append({"arm": label, **r, **({"profile": profiles[label]} if label in profiles else {})})
     for label, prof in profiles.items():
         log_profile(label, prof, log)
     return rows

@@ -432,7 +432,8 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     largest batch's, per sequence x G); vLLM's, the blocks a group holds (`grouped_kv_tokens`,
     `unshared_kv_tokens`) at the longest prompt, and its tokens alone (a block of one token). Prints the table and
     returns its rows. `profile`: after the timed runs, one more untimed run of every engine under torch.profiler
-    (vLLM runs in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`), its top operators printed after the table."""
+    (vLLM runs in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`), its top operators printed after the table
+    and in its row's "profile_ops" as (name, self CPU seconds, calls)."""
     import os
 
     from stages.common import vllm_sampler
@@ -515,7 +516,8 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
             tok_vs = r["token_kv_bytes_per_group"] / ref["token_kv_bytes_per_group"] if ref else float("nan")
             rows.append({"prompt_tokens": T, "engine": e, "group_size": group_size, "prompts": num_prompts,
                          "new_tokens": new_tokens, "tokens_per_s": rate, "vs_vllm_prefix_cache": vs,
-                         "kv_vs_vllm_prefix_cache": kv_vs, "token_kv_vs_vllm_prefix_cache": tok_vs, **r})
+                         "kv_vs_vllm_prefix_cache": kv_vs, "token_kv_vs_vllm_prefix_cache": tok_vs, **r,
+                         **({"profile_ops": profiles[T, e][1]} if (T, e) in profiles else {})})
             print_fn(f"{T:>6} {e:>22} {r['seconds']:>8.2f} {rate:>7.1f} {vs:>9.2f} "
                      f"{r['kv_bytes_per_group'] / 2**20:>12.2f} {kv_vs:>12.2f} "
                      f"{r['token_kv_bytes_per_group'] / 2**20:>12.2f} {tok_vs:>9.2f}")

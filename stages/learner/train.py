@@ -712,6 +712,20 @@ def stop_if_nonfinite(run: LearnerRun, value: float | None, what: str) -> None:
     agree(run.ctx, None, error)
 
 
+def own_grad_norm(engine) -> bool:
+    """Whether the learner measures the gradient norm itself: DeepSpeed reports it (`get_global_grad_norm`) from
+    its ZeRO and bf16/fp16 optimizers only; under ZeRO stage 0 with float32 weights it steps the torch AdamW
+    directly (clipping with torch's `clip_grad_norm_`) and reports None."""
+    return not (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
+
+
+def gradient_norm(module: torch.nn.Module) -> float:
+    """The global L2 norm of the trainable parameters' gradients (already averaged across processes at the
+    accumulation boundary), before clipping: what DeepSpeed's ZeRO optimizers report as the global grad norm."""
+    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads, 2.0)) if grads else 0.0
+
+
 def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, np.ndarray],
                ref: dict[int, np.ndarray] | None, parity: dict[str, float] | None = None) -> dict[str, Any] | None:
     """One optimizer step over a mini-batch (its micro-batches accumulate); the step's record, or None when the
@@ -727,6 +741,7 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
     for group in run.engine.optimizer.param_groups:
         group["lr"] = lr
     stats = StepStats()
+    pre_clip_norm = None
     weight_mean = weights.weight_mean(step.rows) if run.spec.row_weights == "sparse_rl" else None
     for i, (rows, real) in enumerate(step.micro):
         weight = float(denom[rows].sum()) / total if real else 0.0
@@ -737,11 +752,13 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
         if parity is not None and i == len(step.micro) - 1:  # before the update: the gate may still refuse
             parity.update(parity_gate(run, _gather_dict(stats.logp, run.ctx), time.perf_counter()))
+        if i == len(step.micro) - 1 and own_grad_norm(run.engine):  # the gradients before the step clips them
+            pre_clip_norm = gradient_norm(run.module)
         run.engine.step()
     run.global_step += 1
     if run.ema:  # the optimizer step is done: the average moves toward the new weights
         ema_update_(run.teacher_model, run.module, run.cfg.ema_decay)
-    grad_norm = run.engine.get_global_grad_norm()
+    grad_norm = pre_clip_norm if pre_clip_norm is not None else run.engine.get_global_grad_norm()
     stop_if_nonfinite(run, None if grad_norm is None else float(grad_norm),
                       f"gradient norm at step {run.global_step} (micro-batches 1-{len(step.micro)}, rows {_few(step.rows)})")
     record = stats.reduce(run.ctx, run.data, step.rows, run.cfg.tis_cap)
