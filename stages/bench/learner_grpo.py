@@ -227,21 +227,20 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
             f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "
             f"(distinct prompts + responses + each sample's last prompt token)")
+        def arm_spec(objective: str, shared: bool) -> dict[str, Any]:
+            return {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
+                    "shared": shared, "micro_batch_size": micro_batch_size, "threads": threads, "backend": backend,
+                    "temperature": temperature}
+
         best: dict[str, dict[str, Any]] = {}
         for _ in range(repeats):
             for label, objective, shared in chosen:
-                spec = {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks),
-                        "objective": objective, "shared": shared, "micro_batch_size": micro_batch_size,
-                        "threads": threads, "backend": backend, "temperature": temperature}
-                res = _run_arm(spec, cores)
+                res = _run_arm(arm_spec(objective, shared), cores)
                 if label not in best or res["step_s"] < best[label]["step_s"]:
                     best[label] = res
         profiles = {}
         for label, objective, shared in chosen if profile else ():
-            spec = {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
-                    "shared": shared, "micro_batch_size": micro_batch_size, "threads": threads, "backend": backend,
-                    "temperature": temperature, "profile": True}
-            profiles[label] = _run_arm(spec, cores)
+            profiles[label] = _run_arm({**arm_spec(objective, shared), "profile": True}, cores)
     weights_mb = n_params * 4 / 2**20
     log(f"# analytic: weights {weights_mb:.0f} MB, gradients {weights_mb:.0f} MB, AdamW moments {2 * weights_mb:.0f} MB "
         f"(sum {4 * weights_mb:.0f} MB)")
