@@ -16,7 +16,12 @@ from stages.common.kvcache.sampler import generate_batch
 from stages.common.model import load_policy
 from stages.learner.data import load_learner_data
 from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
-from stages.learner.shared_prompt import prompt_runs, shared_prefix_rows, shared_prompt_hidden
+from stages.learner.shared_prompt import (
+    prompt_runs,
+    shared_prefix_rows,
+    shared_prompt_hidden,
+    suffix_evict_at,
+)
 from stages.learner.train import group_grouped, process_rows, run_learner
 from tests.helpers import (
     make_iteration,
@@ -88,14 +93,15 @@ def float64_scores(model, hidden, teacher, targets, valid, temperature: float = 
     return logp, kl
 
 
-def loss_and_grads(model, forward, ids, evict_at, prompt_lens, resp_lens, weights, mode: str, backend: str):
+def loss_and_grads(model, forward, ids, evict_at, prompt_lens, resp_lens, weights, mode: str, backend: str,
+                   batch_runs: bool = True):
     """A GRPO-shaped loss (weighted log-probs, plus the weighted teacher KL in the teacher modes) of one forward
     and every parameter's gradient."""
     model.zero_grad(set_to_none=True)
     ev = None if mode == "dense" else evict_at
     if forward == "shared":
         hidden, teacher, targets, valid = shared_prompt_hidden(model, ids, ev, prompt_lens, resp_lens, backend, 16,
-                                                               teacher=mode == "teacher")
+                                                               teacher=mode == "teacher", batch_runs=batch_runs)
     elif mode == "teacher":
         hidden, teacher, targets, valid = response_hidden_with_teacher(model, ids, ev, prompt_lens, resp_lens,
                                                                        backend, 16)
@@ -139,15 +145,17 @@ def test_shared_forward_equals_per_sample_float64(model_dir, policy, mode):
         assert_close(got[3][name], want[3][name], f"grad {name}")
 
 
+@pytest.mark.parametrize("batch_runs", [True, False], ids=["runs-batched", "run-by-run"])
 @pytest.mark.parametrize("mode", ["masked", "teacher"])
-def test_shared_forward_tiled_float64(model_dir, mode):
+def test_shared_forward_tiled_float64(model_dir, mode, batch_runs):
     """The tiled backend replays the mask on the shared prompt's cache as the sdpa reference does on the
-    per-sample forward (float64)."""
+    per-sample forward (float64), with the micro-batch's three runs in one prompt call and one suffix call, and a
+    run at a time."""
     ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "h2o", seed=2)
     model = float64_model(model_dir)
     weights = torch.randn(len(prompt_lens), 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     want = loss_and_grads(model, "per_sample", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa")
-    got = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "tiled")
+    got = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "tiled", batch_runs)
     assert_close(got[0], want[0], "loss")
     for name in want[3]:
         assert_close(got[3][name], want[3][name], f"grad {name}")
@@ -169,6 +177,37 @@ def test_shared_forward_flex_float32(model_dir, mode):
     assert within_float32_bound(got[0], want[0], chain)
     for name in want[3]:
         assert within_float32_bound(got[3][name], want[3][name], chain), name
+
+
+def test_batched_runs_take_two_decoder_calls(model_dir, monkeypatch):
+    """A micro-batch of three groups runs its prompts in one decoder call and its suffixes in another (and the
+    dense teacher's suffixes in a third), not a prompt and a suffix call per group."""
+    ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "snapkv")
+    model = load_policy(model_dir)
+    decoder = model.model
+    calls = []
+    forward = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or forward(*a, **k))
+    with torch.no_grad():
+        shared_prompt_hidden(model, ids, evict_at, prompt_lens, resp_lens, "sdpa", 16, teacher=True)
+    assert [c[0] for c in calls] == [3, 6, 6]  # 3 prompts; 6 rows densely (teacher), then masked
+    calls.clear()
+    with torch.no_grad():
+        shared_prompt_hidden(model, ids, evict_at, prompt_lens, resp_lens, "sdpa", 16, teacher=True,
+                             batch_runs=False)
+    assert [c[0] for c in calls] == [1, 3, 3, 1, 2, 2, 1, 1, 1]
+
+
+def test_suffix_evict_at_moves_the_mask_with_the_frame():
+    """Hand-checked: two rows whose shared prefixes end at 2 and 3 in a frame of 3, suffixes of width 3. Row 0's
+    token t >= 2 moves to t + 1; the frame's padding column 2 of row 0 and the columns past the batch's 5 tokens
+    see only themselves (c + 1); a dense pass sees every real key."""
+    ev = torch.tensor([[9, 9, 4, 5, 6], [9, 9, 9, 4, 5]]).view(1, 2, 1, 5)  # [L, B, H, T]
+    got = suffix_evict_at(ev, [2, 3], 3, 3, 1, 1)
+    assert got[0, 0, 0].tolist() == [10, 10, 3, 5, 6, 7]  # tokens 0, 1 | pad | tokens 2, 3, 4 (+1)
+    assert got[0, 1, 0].tolist() == [9, 9, 9, 4, 5, 6]  # tokens 0-2 | tokens 3, 4 | past the batch (5 + 1)
+    dense = suffix_evict_at(None, [2, 3], 3, 3, 1, 1)
+    assert dense[0, 0, 0, 2] == 3 and bool((dense[0, 0, 0, [0, 1, 3, 4, 5]] > 6).all())
 
 
 def test_prompt_runs_and_prefix_rows():

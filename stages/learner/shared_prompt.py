@@ -32,6 +32,7 @@ from stages.learner.shadow_attention import (
     layer_checkpointing_enabled,
     response_hidden,
     response_hidden_with_teacher,
+    response_index,
 )
 
 
@@ -130,21 +131,119 @@ def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_
     return gathered[0], (gathered[1] if dense is not None else None), targets, valid
 
 
+def suffix_evict_at(evict_at: torch.Tensor | None, starts: list[int], frame: int, width: int,
+                    num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """`evict_at` of a batch of runs in the frame of `_runs_batched_hidden`'s KV cache ([L, B, H, frame + width]).
+
+    Row b's token t sits at cache index t while t < starts[b] (its run's prompt cache, right-padded to `frame`)
+    and at t + frame - starts[b] from there on (its suffix, after the frame). The map is increasing, so causality
+    holds in the cache's index order, and an eviction position (a query token, >= starts[b] by `shared_prefix_rows`)
+    moves with its query. The frame's padding keys [starts[b], frame) get c + 1 (seen only by a query at their
+    own index, which no row has): hidden. `evict_at` None (a dense pass): every real key stays visible."""
+    B, total = len(starts), frame + width
+    device = evict_at.device if evict_at is not None else torch.device("cpu")
+    start = torch.tensor(starts, dtype=torch.long, device=device).view(B, 1)
+    col = torch.arange(total, dtype=torch.long, device=device).view(1, total)
+    in_prompt = col < start
+    in_suffix = col >= frame
+    # the token each cache index holds (0 for the frame's padding, whose value is replaced below)
+    token = torch.where(in_prompt, col, torch.where(in_suffix, col - frame + start, torch.zeros_like(col)))
+    shift = (frame - start).view(1, B, 1, 1)
+    if evict_at is None:
+        ev = torch.full((num_layers, B, num_kv_heads, total), 2 * total + 1, dtype=torch.long, device=device)
+    else:
+        T = evict_at.shape[-1]
+        index = token.clamp(max=T - 1).view(1, B, 1, total).expand(evict_at.shape[0], B, evict_at.shape[2], total)
+        ev = torch.gather(evict_at.to(torch.long), 3, index) + shift
+        # suffix columns past the batch's tokens (a run's suffix shorter than the widest): padding
+        past = (token >= T) & in_suffix
+        ev = torch.where(past.view(1, B, 1, total), col.view(1, 1, 1, total) + 1, ev)
+    pad = (~in_prompt & ~in_suffix).view(1, B, 1, total)
+    return torch.where(pad, col.view(1, 1, 1, total) + 1, ev)
+
+
+def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
+                         resp_lens: list[int], runs: list[tuple[int, int]], starts: list[int], backend: str,
+                         teacher: bool):
+    """Several runs of one micro-batch in two calls: their prompts' shared rows [0, s_run) as one right-padded
+    batch (one row per run, plain causal attention), then every row's suffix [s_run, T_row) as one batch on top of
+    its run's prompt cache (gathered per row: autograd sums a run's rows into its one prompt forward). The suffix
+    pass sees the cache through `suffix_evict_at` (the frame's padding hidden, the shadow mask moved with it), under
+    the shadow-suffix attention for the masked pass and the sdpa reference's mask for dense ones. The weight
+    products then see all the runs' rows at once, not one group's (docs/design.md §3c). Returns as
+    `_run_hidden`, for the whole batch."""
+    decoder = decoder_of(model)
+    device = ids.device
+    B = ids.shape[0]
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    frame = max(starts[a] for a, _ in runs)
+    run_of_row = torch.tensor([i for i, (a, e) in enumerate(runs) for _ in range(a, e)], device=device)
+    row_starts = [starts[a] for a, e in runs for _ in range(a, e)]
+    heads = torch.stack([ids[a, :frame] for a, _ in runs])  # right-padded past each run's s by its own tokens
+    cache = DynamicCache(config=model.config)
+    decoder(input_ids=heads, position_ids=torch.arange(frame, device=device).unsqueeze(0).expand(len(runs), frame),
+            past_key_values=cache, use_cache=True)
+    prompt_kv = [(layer.keys.index_select(0, run_of_row), layer.values.index_select(0, run_of_row))
+                 for layer in cache.layers]
+    ends = [prompt_lens[b] + max(resp_lens[b], 1) for b in range(B)]
+    width = max(min(ends[b], ids.shape[1]) - row_starts[b] for b in range(B))
+    # row b's suffix tokens [s_b, s_b + width) and their positions (past the row's end: its own padding tokens)
+    cols = torch.tensor(row_starts, device=device).view(B, 1) + torch.arange(width, device=device).view(1, width)
+    suffix = torch.gather(ids, 1, cols.clamp(max=ids.shape[1] - 1))
+    dense = None
+    dense_ev = suffix_evict_at(None, row_starts, frame, width, L, H).to(device)
+    if teacher:
+        with torch.no_grad():
+            teacher_cache = DynamicCache([(k.detach(), v.detach()) for k, v in prompt_kv], config=model.config)
+            with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+                dense = decoder(input_ids=suffix, position_ids=cols, past_key_values=teacher_cache, use_cache=True,
+                                smd_evict_at=dense_ev, smd_backend="sdpa").last_hidden_state
+    run_cache = DynamicCache(prompt_kv, config=model.config)
+    ev = dense_ev if evict_at is None else suffix_evict_at(evict_at, row_starts, frame, width, L, H)
+    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+        hidden = decoder(input_ids=suffix, position_ids=cols, past_key_values=run_cache, use_cache=True,
+                         smd_evict_at=ev, smd_backend="sdpa" if evict_at is None else backend).last_hidden_state
+    # row b's response token t is predicted by its token P_b - 1 + t: suffix row P_b - 1 - s_b + t
+    kept = (hidden,) if dense is None else (hidden, dense)
+    first = [prompt_lens[b] - 1 - row_starts[b] for b in range(B)]
+    idx, valid = response_index([f + 1 for f in first], resp_lens, device=device)
+    targets = torch.gather(ids, 1, (idx + torch.tensor(row_starts, device=device).view(B, 1) + 1).clamp(
+        max=ids.shape[1] - 1))
+    index = idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    gathered = [torch.gather(x, 1, index) for x in kept]
+    return gathered[0], (gathered[1] if dense is not None else None), targets, valid
+
+
 def shared_prompt_hidden(model, input_ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_lens: list[int],
                          resp_lens: list[int], backend: str = "sdpa", block_size: int = 128,
-                         teacher: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                         teacher: bool = False, batch_runs: bool = True,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """`response_hidden` (teacher False) / `response_hidden_with_teacher` (teacher True) of a right-padded
     micro-batch, each run of rows with the same prompt forwarding that prompt once (module docstring).
 
     input_ids [B, T], evict_at [L, B, H, T] (None: the dense forward) -> (policy hidden [B, R, D], the dense
-    teacher's hidden [B, R, D] detached or None, targets [B, R], valid [B, R]), R = max(resp_lens). With layer
-    checkpointing on the per-sample forwards run instead (a checkpointed layer cannot write the prompt's cache:
-    its recomputation would write it again)."""
+    teacher's hidden [B, R, D] detached or None, targets [B, R], valid [B, R]), R = max(resp_lens). With several
+    runs (a micro-batch of several groups) and `batch_runs`, all their prompts go in one call and all their
+    suffixes in another (`_runs_batched_hidden`; sdpa and tiled: FlexAttention's block masks start at a block
+    boundary, so flex runs a run at a time). With layer checkpointing on the per-sample forwards run instead (a
+    checkpointed layer cannot write the prompt's cache: its recomputation would write it again)."""
     if layer_checkpointing_enabled(model):
         return _per_sample_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, block_size, teacher)
     R = max(max(resp_lens), 1)
+    runs = prompt_runs(input_ids, prompt_lens)
+    if batch_runs and len(runs) > 1 and backend != "flex":
+        starts = [0] * len(prompt_lens)
+        for a, e in runs:
+            T_run = min(prompt_lens[a] + max(max(resp_lens[a:e]), 1), input_ids.shape[1])
+            ev = evict_at[:, a:e, :, :T_run] if evict_at is not None else None
+            starts[a:e] = [shared_prefix_rows(prompt_lens[a], ev)] * (e - a)
+        if min(starts[a] for a, _ in runs) > 0:
+            hidden, dense, targets, valid = _runs_batched_hidden(model, input_ids, evict_at, prompt_lens, resp_lens,
+                                                                 runs, starts, backend, teacher)
+            return _pad_rows(hidden, R), None if dense is None else _pad_rows(dense, R), _pad_rows(
+                targets, R), _pad_rows(valid, R)
     parts = []
-    for a, e in prompt_runs(input_ids, prompt_lens):
+    for a, e in runs:
         T_run = prompt_lens[a] + max(max(resp_lens[a:e]), 1)
         T_run = min(T_run, input_ids.shape[1])
         ev = evict_at[:, a:e, :, :T_run] if evict_at is not None else None
