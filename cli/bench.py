@@ -178,6 +178,12 @@ def bench_learner_cmd(
                                                            "~141).")] = 141,
     response_tokens: Annotated[int, typer.Option(min=1, help="With --group-size: longest response.")] = 16,
     micro_batch_size: Annotated[int, typer.Option(min=1, help="With --group-size: learner.micro_batch_size.")] = 8,
+    shared_micro_batch_size: Annotated[int | None, typer.Option(
+        min=1, help="With --group-size: the shared arms also at this learner.micro_batch_size (several groups a "
+                    "micro-batch: their prompts in one call), rows labelled 'mb N'.")] = None,
+    arms: Annotated[str | None, typer.Option(
+        help="With --group-size: comma-separated arms (smd shared, smd per-sample, dense shared, dense per-sample, "
+             "'... mb N'; default all).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="With --group-size: runs per arm (the fastest counts).")] = 2,
     cores: Annotated[str | None, typer.Option(help="With --group-size: taskset core list of every arm (e.g. 0 or "
                                                    "0,1).")] = None,
@@ -206,8 +212,10 @@ def bench_learner_cmd(
                 raise SmdInputError("--group-size: needs --model (a model directory)")
             from stages.bench.learner_grpo import bench_learner_grpo
 
+            chosen = [a.strip() for a in arms.split(",")] if arms else None
             bench_learner_grpo(model, group_size, prompts, prompt_tokens, response_tokens, micro_batch_size, repeats,
-                               threads, cores, profile=profile)
+                               threads, cores, arms=chosen, profile=profile,
+                               shared_micro_batch_size=shared_micro_batch_size)
 
         guarded(grpo)
         return

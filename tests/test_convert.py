@@ -226,3 +226,20 @@ def test_bench_learner_grpo_profile_clocks_the_step(converted):
     assert inner <= seconds["step"] and seconds["step"] + seconds["parity pass"] <= rows[0]["profile"]["learn_s"]
     ops = rows[0]["profile"]["top_ops"]
     assert len(ops) >= 5 and any(name.startswith("aten::") for name, _, _ in ops[:12])
+
+
+def test_bench_learner_arms_at_two_micro_batch_sizes():
+    """`--shared-micro-batch-size N`: the shared arms run at both sizes (the other one labelled "mb N"), the
+    per-sample arms at --micro-batch-size only; `--arms` picks by label; an unknown arm is one line."""
+    from stages.bench.learner_grpo import bench_arms
+
+    assert [a[0] for a in bench_arms(8, None)] == ["smd shared", "smd per-sample", "dense shared",
+                                                   "dense per-sample"]
+    both = bench_arms(8, 32)
+    assert [(a[0], a[3]) for a in both if a[1] == "smd"] == [("smd shared", 8), ("smd shared mb 32", 32),
+                                                             ("smd per-sample", 8)]
+    assert [a[0] for a in bench_arms(8, 32, ["smd shared mb 32", "smd per-sample"])] == ["smd shared mb 32",
+                                                                                          "smd per-sample"]
+    assert [a[0] for a in bench_arms(8, 32, ["dense shared"])] == ["dense shared", "dense shared mb 32"]
+    with pytest.raises(SmdInputError, match="--arms: smd sharde"):
+        bench_arms(8, None, ["smd sharde"])

@@ -204,17 +204,43 @@ def _run_arm(spec: dict[str, Any], cores: str | None) -> dict[str, Any]:
     raise RuntimeError(f"bench arm {spec['objective']} shared={spec['shared']} failed:\n{proc.stderr[-3000:]}")
 
 
+def bench_arms(micro_batch_size: int, shared_micro_batch_size: int | None,
+               arms: list[str] | None = None) -> list[tuple[str, str, bool, int]]:
+    """(label, objective, shared, micro-batch rows) of every arm `arms` names (None: all). With
+    `shared_micro_batch_size` other than `micro_batch_size` the shared arms run at both sizes, those at the
+    other size labelled "... mb N" (several groups a micro-batch)."""
+    out = []
+    for label, objective, shared in ARMS:
+        sizes = [micro_batch_size]
+        if shared and shared_micro_batch_size not in (None, micro_batch_size):
+            sizes.append(shared_micro_batch_size)
+        for size in sizes:
+            name = label if size == micro_batch_size else f"{label} mb {size}"
+            if arms is None or name in arms or label in arms:
+                out.append((name, objective, shared, size))
+    unknown = set(arms or ()) - {a[0] for a in out} - {a[0] for a in ARMS}
+    if unknown or not out:
+        from schemas.errors import SmdInputError
+
+        raise SmdInputError(f"--arms: {', '.join(sorted(unknown)) or 'none chosen'}; the arms are "
+                            f"{', '.join(a[0] for a in ARMS)} (and '<arm> mb N' with --shared-micro-batch-size N)")
+    return out
+
+
 def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, prompt_tokens: int = 141,
                        response_tokens: int = 16, micro_batch_size: int = 8, repeats: int = 2, threads: int = 1,
                        cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
-                       temperature: float = 0.7, profile: bool = False, log=print) -> list[dict[str, Any]]:
+                       temperature: float = 0.7, profile: bool = False, shared_micro_batch_size: int | None = None,
+                       log=print) -> list[dict[str, Any]]:
     """Run every arm `repeats` times (interleaved), print the table, return its rows; `profile`: then each arm
     once more, untimed, profiled (its phases and top operators printed after the table, and in its row's
-    "profile": phases in seconds, top_ops as (name, self CPU seconds, calls))."""
+    "profile": phases in seconds, top_ops as (name, self CPU seconds, calls)). `shared_micro_batch_size`: the
+    shared arms also at this many rows a micro-batch (several groups: their prompts in one call); every shared
+    row's "vs per-sample" is against the per-sample arm at `micro_batch_size`."""
     import torch
     from transformers import AutoConfig
 
-    chosen = [a for a in ARMS if arms is None or a[0] in arms]
+    chosen = bench_arms(micro_batch_size, shared_micro_batch_size, arms)
     cfg = AutoConfig.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         traj, masks, counts = grpo_workload(model_dir, Path(tmp), prompts, group_size, prompt_tokens,
@@ -227,20 +253,20 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
             f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "
             f"(distinct prompts + responses + each sample's last prompt token)")
-        def arm_spec(objective: str, shared: bool) -> dict[str, Any]:
+        def arm_spec(objective: str, shared: bool, size: int) -> dict[str, Any]:
             return {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
-                    "shared": shared, "micro_batch_size": micro_batch_size, "threads": threads, "backend": backend,
+                    "shared": shared, "micro_batch_size": size, "threads": threads, "backend": backend,
                     "temperature": temperature}
 
         best: dict[str, dict[str, Any]] = {}
         for _ in range(repeats):
-            for label, objective, shared in chosen:
-                res = _run_arm(arm_spec(objective, shared), cores)
+            for label, objective, shared, size in chosen:
+                res = _run_arm(arm_spec(objective, shared, size), cores)
                 if label not in best or res["step_s"] < best[label]["step_s"]:
                     best[label] = res
         profiles = {}
-        for label, objective, shared in chosen if profile else ():
-            profiles[label] = _run_arm({**arm_spec(objective, shared), "profile": True}, cores)
+        for label, objective, shared, size in chosen if profile else ():
+            profiles[label] = _run_arm({**arm_spec(objective, shared, size), "profile": True}, cores)
     weights_mb = n_params * 4 / 2**20
     log(f"# analytic: weights {weights_mb:.0f} MB, gradients {weights_mb:.0f} MB, AdamW moments {2 * weights_mb:.0f} MB "
         f"(sum {4 * weights_mb:.0f} MB)")
@@ -249,7 +275,7 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     rows = []
-    for label, objective, shared in chosen:
+    for label, objective, shared, size in chosen:
         r = best[label]
         twin = best.get(f"{objective} per-sample")
         ratio = f"{twin['step_s'] / r['step_s']:.2f}x" if twin and shared else ""
@@ -257,7 +283,7 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         engine = r.get("rss_engine_mb", policy)
         log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['parity_s']:.2f} | {r['learn_s']:.1f} | {start:.0f} | "
             f"{policy - start:.0f} | {engine - policy:.0f} | {r['rss_peak_mb'] - engine:.0f} | {r['rss_peak_mb']:.0f} |")
-        rows.append({"arm": label, **r, **({"profile": profiles[label]} if label in profiles else {})})
+        rows.append({"arm": label, "micro_batch_size": size, **r, **({"profile": profiles[label]} if label in profiles else {})})
     for label, prof in profiles.items():
         log_profile(label, prof, log)
     return rows
