@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -141,3 +142,25 @@ def test_smollm2_spec_has_the_pretrained_arms_of_issue_34():
     assert core <= {(p.learner.objective, p.rollout.eviction.policy) for p in arms.values()}  # issue 42's arms
     released = arms["smd_released-sim@0.5"].rollout.eviction  # the authors' own setting: decisions simulated
     assert (released.apply, released.compress) == (False, "prefill_only")
+
+
+def test_smollm2_strict_reward_arms_score_a_run_on_zero():
+    """Issue 42 item 3: the `-em` arms train on the task's exact match, which a run-on answer fails while the
+    built-in kv_fraction gives it full credit."""
+    from schemas.rewards import score
+    from stages.common.reward_functions import load_reward_functions
+
+    arms = _arm_params("smollm2_fact_recall")
+    assert arms["smd-l0.1-em@0.5"].reward.function == ["experiments/rewards/fact_recall_strict.py:exact_numbers"]
+    assert arms["dense-em"].reward.function == arms["smd-l0.1-em@0.5"].reward.function
+    (spec,) = load_reward_functions(arms["dense-em"].reward.function)
+    assert spec.convention == "verl"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("strict", spec.path))
+    module.__spec__.loader.exec_module(module)
+    fn = module.exact_numbers
+    run_on = "The fox has number 56. The bear has number 52."
+    assert score("fact_recall", run_on, "56") == 1.0
+    assert fn(data_source="fact_recall", solution_str=run_on, ground_truth="56") == 0.0
+    assert fn(data_source="fact_recall", solution_str="56", ground_truth="56") == 1.0
+    assert fn(data_source="fact_recall", solution_str="The fox has number 56.", ground_truth="56") == 1.0
+    assert fn(data_source="fact_recall", solution_str="65", ground_truth="56") == 0.0
