@@ -223,6 +223,21 @@ def test_micro_batching_does_not_change_the_update(tmp_path, setup):
     assert max_param_diff(a, b) <= 1e-6
 
 
+def test_fused_adamw_takes_the_foreach_step(tmp_path, setup):
+    """`learner.adam_fused` (default true, transformers' `adamw_torch_fused`) runs torch's fused AdamW kernel: the
+    engine holds it, and its update equals the foreach implementation's to float32 rounding (adam_eps 1e-6: see
+    test_micro_batching_does_not_change_the_update)."""
+    root, model_dir, _, traj, masks = setup
+    over = {"learner.grad_clip": 0, "learner.lr": 1e-4, "learner.adam_eps": 1e-6}
+    outs = {fused: run_learner(make_params(**over, **{"learner.adam_fused": fused}), 1, model_dir, traj, masks,
+                               tmp_path / f"fused-{fused}" / "policy") for fused in (True, False)}
+    assert json.loads(outs[True]["details"].read_text())["config"]["learner"]["adam_fused"] is True
+    before, fused, foreach = (params_of(model_dir), params_of(outs[True]["policy"]),
+                              params_of(outs[False]["policy"]))
+    assert max_param_diff(before, fused) > 5e-5
+    assert max_param_diff(fused, foreach) <= 1e-6
+
+
 # ------------------------------------------------------------------------------------------ gate + bad input
 def corrupt_store(src: Path, dst: Path, shift: int = 1) -> Path:
     """A structurally valid store whose keys stay visible `shift` queries longer than the rollout's."""

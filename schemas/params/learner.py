@@ -274,6 +274,11 @@ class LearnerParams(BaseModel):
     adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    adam_fused: bool = Field(
+        True, description="torch's fused AdamW kernel (`torch.optim.AdamW(fused=True)`, CPU and CUDA), the "
+        "transformers Trainer's default optimizer (`adamw_torch_fused`): the same update as the multi-tensor "
+        "(`foreach`) one to rounding, ~5x faster on one CPU thread for SmolLM2-135M (docs/design.md §3c). false: "
+        "the foreach implementation.")
     zero_stage: Annotated[int, Field(ge=0, le=2)] | Literal["auto"] = Field(
         "auto",
         description="DeepSpeed ZeRO stage: 0 = plain data parallel, 1 = optimizer state partitioned across "

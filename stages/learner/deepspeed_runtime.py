@@ -113,7 +113,7 @@ def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int, re
     # and neither the optimizer nor ZeRO's partitions hold anything of it)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=cfg.adam_fused)
     dtype = next(model.parameters()).dtype
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
