@@ -241,6 +241,8 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
     from transformers import AutoConfig
 
     chosen = bench_arms(micro_batch_size, shared_micro_batch_size, arms)
+    sizes = {size for *_, size in chosen}
+    shared_size_note = f" (mb {shared_micro_batch_size}: the shared arms at that size)" if sizes != {micro_batch_size} else ""
     cfg = AutoConfig.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         traj, masks, counts = grpo_workload(model_dir, Path(tmp), prompts, group_size, prompt_tokens,
@@ -248,9 +250,7 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         n_params = sum(p.numel() for p in _count_model(model_dir).parameters())
         log(f"# learner on GRPO's workload: {model_dir.name} ({n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} "
             f"layers), {prompts} prompts x G {group_size}, prompts ~{prompt_tokens} tokens, responses <= "
-            f"{response_tokens}; micro-batch {micro_batch_size}"
-            f"{f' (mb {shared_micro_batch_size}: the shared arms at that size)' if shared_micro_batch_size not in (None, micro_batch_size) else ''}"
-            f"; backend {backend}; float32; torch {torch.__version__}; "
+            f"{response_tokens}; micro-batch {micro_batch_size}{shared_size_note}; backend {backend}; float32; torch {torch.__version__}; "
             f"{threads or 'default'} thread(s); cores {cores or 'any'}; fastest of {repeats}")
         log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
             f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "

@@ -32,7 +32,6 @@ from stages.learner.shadow_attention import (
     layer_checkpointing_enabled,
     response_hidden,
     response_hidden_with_teacher,
-    response_index,
 )
 
 
@@ -191,7 +190,8 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
     cols = torch.tensor(row_starts, device=device).view(B, 1) + torch.arange(width, device=device).view(1, width)
     suffix = torch.gather(ids, 1, cols.clamp(max=ids.shape[1] - 1))
     dense = None
-    dense_ev = suffix_evict_at(None, row_starts, frame, width, L, H).to(device)
+    # the dense passes' view of the frame (smd's teacher, the dense objectives): every real key visible
+    dense_ev = suffix_evict_at(None, row_starts, frame, width, L, H).to(device) if teacher or evict_at is None else None
     if teacher:
         with torch.no_grad():
             teacher_cache = DynamicCache([(k.detach(), v.detach()) for k, v in prompt_kv], config=model.config)
@@ -203,14 +203,10 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
     with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
         hidden = decoder(input_ids=suffix, position_ids=cols, past_key_values=run_cache, use_cache=True,
                          smd_evict_at=ev, smd_backend="sdpa" if evict_at is None else backend).last_hidden_state
-    # row b's response token t is predicted by its token P_b - 1 + t: suffix row P_b - 1 - s_b + t
+    # in the suffix's own coordinates row b's prompt ends at P_b - s_b (its suffix holds its tokens from s_b on)
     kept = (hidden,) if dense is None else (hidden, dense)
-    first = [prompt_lens[b] - 1 - row_starts[b] for b in range(B)]
-    idx, valid = response_index([f + 1 for f in first], resp_lens, device=device)
-    targets = torch.gather(ids, 1, (idx + torch.tensor(row_starts, device=device).view(B, 1) + 1).clamp(
-        max=ids.shape[1] - 1))
-    index = idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    gathered = [torch.gather(x, 1, index) for x in kept]
+    gathered, targets, valid = gather_response(kept, suffix, [prompt_lens[b] - row_starts[b] for b in range(B)],
+                                               resp_lens, 0)
     return gathered[0], (gathered[1] if dense is not None else None), targets, valid
 
 
@@ -230,23 +226,23 @@ def shared_prompt_hidden(model, input_ids: torch.Tensor, evict_at: torch.Tensor 
     if layer_checkpointing_enabled(model):
         return _per_sample_hidden(model, input_ids, evict_at, prompt_lens, resp_lens, backend, block_size, teacher)
     R = max(max(resp_lens), 1)
-    runs = prompt_runs(input_ids, prompt_lens)
+    # each run's rows [a, e), its tokens [0, T_run) and its masks
+    runs = []
+    for a, e in prompt_runs(input_ids, prompt_lens):
+        T_run = min(prompt_lens[a] + max(max(resp_lens[a:e]), 1), input_ids.shape[1])
+        runs.append((a, e, T_run, evict_at[:, a:e, :, :T_run] if evict_at is not None else None))
     if batch_runs and len(runs) > 1 and backend != "flex":
         starts = [0] * len(prompt_lens)
-        for a, e in runs:
-            T_run = min(prompt_lens[a] + max(max(resp_lens[a:e]), 1), input_ids.shape[1])
-            ev = evict_at[:, a:e, :, :T_run] if evict_at is not None else None
+        for a, e, _, ev in runs:
             starts[a:e] = [shared_prefix_rows(prompt_lens[a], ev)] * (e - a)
-        if min(starts[a] for a, _ in runs) > 0:
+        if min(starts[a] for a, *_ in runs) > 0:
             hidden, dense, targets, valid = _runs_batched_hidden(model, input_ids, evict_at, prompt_lens, resp_lens,
-                                                                 runs, starts, backend, teacher)
+                                                                 [(a, e) for a, e, *_ in runs], starts, backend,
+                                                                 teacher)
             return _pad_rows(hidden, R), None if dense is None else _pad_rows(dense, R), _pad_rows(
                 targets, R), _pad_rows(valid, R)
     parts = []
-    for a, e in runs:
-        T_run = prompt_lens[a] + max(max(resp_lens[a:e]), 1)
-        T_run = min(T_run, input_ids.shape[1])
-        ev = evict_at[:, a:e, :, :T_run] if evict_at is not None else None
+    for a, e, T_run, ev in runs:
         parts.append(_run_hidden(model, input_ids[a:e, :T_run], ev, prompt_lens[a], resp_lens[a:e], backend,
                                  block_size, teacher))
     hidden = torch.cat([_pad_rows(p[0], R) for p in parts])
