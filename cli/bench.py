@@ -83,7 +83,8 @@ def bench_rollout_cmd(
              "per engine under one KV-cache byte budget and its tokens/s.")] = None,
     engines: Annotated[str | None, typer.Option(
         help="With --model: comma-separated engines (default generate,dense,snapkv,vllm; with --group-size "
-             "smd-snapkv-shared,smd-snapkv-per-sample,smd-dense-shared,vllm-prefix-cache,vllm-no-prefix-cache).")] = None,
+             "smd-snapkv-shared,smd-snapkv-shared-icdf,smd-snapkv-per-sample,smd-dense-shared,vllm-prefix-cache,"
+             "vllm-no-prefix-cache).")] = None,
     budget_sequences: Annotated[int, typer.Option(
         min=1, help="With --model: the KV-cache budget is the dense cache of this many sequences of 1024 prompt "
                     "tokens plus the new tokens.")] = 4,

@@ -142,3 +142,77 @@ def test_simulated_eviction_needs_prefill_only_and_evaluation_applies_it():
     params = load_params(None, ["rollout.eviction.compress=prefill_only", "rollout.eviction.apply=false"])
     assert not params.rollout.eviction.apply
     assert eviction_for("compressed", params).apply and eviction_for("compressed", params).policy == "snapkv"
+
+
+def test_inverse_cdf_equals_numpy_choice_rule():
+    """sample_inverse_cdf against numpy's Generator.choice rule (float64 cumsum, normalised, searchsorted right)
+    fed the same uniforms; zero-probability tokens (a -inf logit) are never drawn."""
+    from stages.common.kvcache.sampler import sample_inverse_cdf
+
+    probs = torch.softmax(torch.randn(64, 50, generator=torch.Generator().manual_seed(3)) * 3, dim=-1)
+    probs[:, ::7] = 0.0  # the first and every 7th token impossible, the last one (index 49) too
+    probs[:, 49] = 0.0
+    tok = sample_inverse_cdf(probs, torch.Generator().manual_seed(11))
+    u = torch.rand((64,), generator=torch.Generator().manual_seed(11), dtype=torch.float64).numpy()
+    p = probs.double().numpy()
+    for b in range(64):
+        cdf = np.cumsum(p[b])
+        cdf /= cdf[-1]
+        assert tok[b].item() == int(cdf.searchsorted(u[b], side="right"))
+        assert p[b, tok[b]] > 0
+
+
+def test_inverse_cdf_index_hand_checked_boundaries():
+    """probs [0, 0.25, 0, 0.75] (cdf 0, 0.25, 0.25, 1): u in [0, 0.25) -> 1, u in [0.25, 1) -> 3; u just below 1
+    never reaches past the last positive token, here with zero-probability tokens after it, and a row's total
+    needs not be 1."""
+    from stages.common.kvcache.sampler import inverse_cdf_index
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]]).expand(5, 6)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.9, 1.0 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf_index(probs, u).tolist() == [1, 1, 3, 3, 3]
+    assert inverse_cdf_index(probs * 8, u).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_inverse_cdf_frequencies_match_the_softmax():
+    """200k draws from a 5-token distribution: every frequency within 5 standard errors of its probability."""
+    from stages.common.kvcache.sampler import sample_inverse_cdf
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], dtype=torch.float64)
+    n = 200_000
+    tok = sample_inverse_cdf(p.expand(n, 5).float(), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=5).double() / n
+    se = (p * (1 - p) / n).sqrt()
+    assert freq[4] == 0
+    assert ((freq - p).abs() <= 5 * se + 1e-12).all()
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "random"])
+def test_inverse_cdf_rollout_keeps_the_invariant(models, policy):
+    """rollout.sampler inverse_cdf: the recorded log-probs are the shadow-masked learner's (<= 1e-5), the draw is
+    deterministic under a seed, and it is another stream than torch.multinomial's."""
+    model = models["gqa"]
+    prompts = random_prompts([40, 23, 31], seed=5)
+
+    def run(sampler):
+        return generate_batch(model, prompts, _eviction(policy), 14, eos_token_id=None, temperature=0.8,
+                              generator=torch.Generator().manual_seed(1), sampler=sampler)[0]
+
+    res = run("inverse_cdf")
+    ids, evict_at, rec = replay_batch(prompts, res)
+    lp, valid = _learner_logprobs(model, ids, evict_at, [len(p) for p in prompts],
+                                  [len(r.response_ids) for r in res], 0.8)
+    assert (lp - rec)[valid].abs().max().item() <= TOL
+    assert [r.response_ids for r in run("inverse_cdf")] == [r.response_ids for r in res]
+    assert [r.response_ids for r in run("multinomial")] != [r.response_ids for r in res]
+
+
+def test_sampler_rejected_with_vllm_and_unknown_names():
+    from pydantic import ValidationError
+
+    from schemas.params.rollout import RolloutParams
+
+    with pytest.raises(ValidationError, match="engine vllm draws with vLLM's own sampler"):
+        RolloutParams(engine="vllm", eviction={"policy": "dense"}, sampler="inverse_cdf")
+    with pytest.raises(ValidationError, match="sampler"):
+        RolloutParams(sampler="gumbel")

@@ -117,6 +117,13 @@ class RolloutParams(BaseModel):
     group_size: int = Field(8, ge=2, description="Responses per prompt (G); GRPO needs at least 2.")
     max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; log-probs are of this distribution.")
+    sampler: Literal["multinomial", "inverse_cdf"] = Field(
+        "multinomial", description="How a token is drawn from the softmax (both exact; they differ in the random "
+        "stream, so the same seed gives other tokens): multinomial, torch.multinomial's exponential race (vLLM's "
+        "CPU sampler's rule; every run before this option), or inverse_cdf, one uniform per row against the "
+        "float64 cumulative sum (numpy's Generator.choice, FlashInfer's sampling_from_probs), which spares a CPU "
+        "decoding step the B x V exponential draws (docs/design.md §8). Engine hf only: vLLM samples its own way.",
+    )
     batch_size: int = Field(16, ge=1, description="Sequences decoded together.")
     compile: bool = Field(
         False, description="Run the decoding step through torch.compile (CUDA graphs on a GPU, mode "
@@ -152,6 +159,9 @@ class RolloutParams(BaseModel):
                 f"engine vllm generates with a dense KV cache only, but eviction.policy is {self.eviction.policy!r}: "
                 "use engine hf for compressed rollouts (vLLM has no per-head eviction and records no shadow mask)"
             )
+        if self.engine == "vllm" and self.sampler != "multinomial":
+            raise ValueError(f"sampler {self.sampler} is smd's engine's (engine hf); engine vllm draws with vLLM's "
+                             "own sampler: leave sampler multinomial")
         return self
 
     @model_validator(mode="before")

@@ -347,8 +347,8 @@ def bench_rollout_model(model_dir: str | Path, lengths: list[int] | None = None,
 # ------------------------------------------------------------------ the GRPO workload (issue 40): `--group-size G`
 # Rows of `bench_rollout_groups`: smd's engine with the group's prompt prefilled once (rollout.share_prompt) and per
 # sample, and vLLM sampling each prompt's G responses with `SamplingParams(n=G)`, its prefix caching on and off.
-GROUP_ENGINES = ("smd-snapkv-shared", "smd-snapkv-per-sample", "smd-dense-shared", "vllm-prefix-cache",
-                 "vllm-no-prefix-cache")
+GROUP_ENGINES = ("smd-snapkv-shared", "smd-snapkv-shared-icdf", "smd-snapkv-per-sample", "smd-dense-shared",
+                 "vllm-prefix-cache", "vllm-no-prefix-cache")
 
 
 def group_prompts(num_prompts: int, prompt_tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -376,14 +376,16 @@ def unshared_kv_tokens(prompt_len: int, new_tokens: int, group_size: int, block_
 
 
 def _smd_group_run(model, jobs: list[list[int]], eviction: EvictionParams, share: bool, new_tokens: int,
-                   batch_size: int, group_size: int) -> tuple[int, float]:
-    """smd's engine over the jobs, `batch_size` consecutive jobs per batch as the rollout stage runs them: (tokens
-    made, KV-cache bytes per group: the largest batch's slot tensors per sequence x G)."""
+                   batch_size: int, group_size: int, sampler: str = "multinomial") -> tuple[int, float]:
+    """smd's engine over the jobs, `batch_size` consecutive jobs per batch as the rollout stage runs them, drawing
+    tokens with `sampler` (rollout.sampler): (tokens made, KV-cache bytes per group: the largest batch's slot
+    tensors per sequence x G)."""
     made, per_group = 0, 0.0
     for s in range(0, len(jobs), batch_size):
         batch = jobs[s: s + batch_size]
         _, stats = generate_batch(model, batch, eviction, new_tokens, eos_token_id=None,
-                                  generator=torch.Generator(device="cpu").manual_seed(s), share_prompt=share)
+                                  generator=torch.Generator(device="cpu").manual_seed(s), share_prompt=share,
+                                  sampler=sampler)
         made += stats.generated_tokens
         per_group = max(per_group, stats.cache_bytes / len(batch) * group_size)
     return made, per_group
@@ -422,7 +424,8 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     `new_tokens` each (temperature 1, EOS ignored), per prompt length in `lengths` (default the spec's 140), float32
     on the CPU's cores this process may use (pin them with `taskset`; torch's thread count is printed).
 
-    Rows (`GROUP_ENGINES`): smd SnapKV at `keep_ratio` with the prompt prefilled once per group and per sample,
+    Rows (`GROUP_ENGINES`): smd SnapKV at `keep_ratio` with the prompt prefilled once per group (drawing tokens
+    with torch.multinomial, and with rollout.sampler inverse_cdf: "-icdf") and per sample,
     smd dense shared (`batch_size` consecutive jobs per batch, as rollout.batch_size), vLLM with
     `SamplingParams(n=G)` and prefix caching on (a group's prompt computed and stored once: vLLM's automatic
     prefix caching, the sharing SGLang's RadixAttention also does) and off, `batch_size` sequences decoded
@@ -471,25 +474,27 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
         jobs = [p for p in prompts for _ in range(group_size)]  # as `group_jobs`: a group's samples adjacent
         longest = max(map(len, prompts))
         res: dict[str, dict[str, float]] = {}
-        smd = {"smd-snapkv-shared": (EvictionParams(policy="snapkv", keep_ratio=keep_ratio), True),
-               "smd-snapkv-per-sample": (EvictionParams(policy="snapkv", keep_ratio=keep_ratio), False),
-               "smd-dense-shared": (EvictionParams(policy="dense"), True)}
+        snapkv = EvictionParams(policy="snapkv", keep_ratio=keep_ratio)
+        smd = {"smd-snapkv-shared": (snapkv, True, "multinomial"),
+               "smd-snapkv-shared-icdf": (snapkv, True, "inverse_cdf"),
+               "smd-snapkv-per-sample": (snapkv, False, "multinomial"),
+               "smd-dense-shared": (EvictionParams(policy="dense"), True, "multinomial")}
         smd_names = [e for e in names if e in smd]
         for e in smd_names:  # warm-up: each engine's first batch
-            ev, share = smd[e]
-            _smd_group_run(model, jobs[:batch_size], ev, share, new_tokens, batch_size, group_size)
+            ev, share, sampler = smd[e]
+            _smd_group_run(model, jobs[:batch_size], ev, share, new_tokens, batch_size, group_size, sampler)
         for _ in range(repeats):
             for e in smd_names:
-                ev, share = smd[e]
+                ev, share, sampler = smd[e]
                 t0 = time.perf_counter()
-                made, kv = _smd_group_run(model, jobs, ev, share, new_tokens, batch_size, group_size)
+                made, kv = _smd_group_run(model, jobs, ev, share, new_tokens, batch_size, group_size, sampler)
                 dt = time.perf_counter() - t0
                 if dt < res.get(e, {}).get("seconds", float("inf")):
                     res[e] = {"seconds": dt, "made": made, "kv_bytes_per_group": kv, "token_kv_bytes_per_group": kv}
         for e in smd_names if profile else ():
-            ev, share = smd[e]
+            ev, share, sampler = smd[e]
             profiles[T, e] = profiled(partial(_smd_group_run, model, jobs, ev, share, new_tokens, batch_size,
-                                              group_size))
+                                              group_size, sampler))
         for e in vllm_names:
             caching = e == "vllm-prefix-cache"
             engine = vllm_sampler.VllmEngine(model_dir, "float32", longest + new_tokens + 1, batch_size,

@@ -517,16 +517,50 @@ class BatchStats:
     generated_tokens: int
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+SAMPLERS = ("multinomial", "inverse_cdf")
+
+
+def inverse_cdf_index(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [B, V] (non-negative, any positive total): the first index whose float64 cumulative
+    probability exceeds uniforms[b] (in [0, 1)) x the row's total. A token's interval is its probability to ~1e-16,
+    and a zero-probability token is never returned."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # u x total < total, also after rounding, so the first index whose cdf exceeds it has a positive probability
+    target = torch.minimum(uniforms.to(torch.float64).reshape(-1, 1) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
+
+
+def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` [B, V] by inverse transform sampling: u ~ U[0, 1) per row (float64, from
+    `generator`), then `inverse_cdf_index`.
+
+    The rule of numpy's `Generator.choice` and of FlashInfer's `sampling_from_probs` (a GPU sampler vLLM uses): an
+    exact sample of the categorical, drawing B uniforms instead of torch.multinomial's B x V exponentials (its
+    exponential race is most of a CPU decoding step's sampling cost at a 49k vocabulary)."""
+    u = torch.rand((probs.shape[0],), generator=generator, dtype=torch.float64, device=probs.device)
+    return inverse_cdf_index(probs, u)
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+            sampler: str = "multinomial"):
     """Sample from the full softmax at `temperature` (argmax when 0); return tokens and their log-probs under
-    that distribution, the one the learner scores (no top-k / top-p truncation: see RolloutParams)."""
+    that distribution, the one the learner scores (no top-k / top-p truncation: see RolloutParams). `sampler`
+    (rollout.sampler): torch.multinomial's exponential race, or `sample_inverse_cdf`; both draw exactly from the
+    softmax, from different random streams."""
     logits = logits.float()
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    if sampler == "inverse_cdf":
+        tok = sample_inverse_cdf(logp.exp(), generator)
+    elif sampler == "multinomial":
+        tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    else:
+        raise ValueError(f"sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -553,6 +587,7 @@ def generate_batch(
     compile: bool = False,
     share_prompt: bool = True,
     window_tail: int = 0,
+    sampler: str = "multinomial",
 ) -> tuple[list[SampleResult], BatchStats]:
     """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks.
 
@@ -562,7 +597,7 @@ def generate_batch(
     decoding step through `torch.compile` (CUDA graphs on a GPU; see `compiled_decode_step`). `share_prompt`:
     prefill each distinct prompt once (`prefill`; rollout.share_prompt); false runs every row's own prefill,
     the reference. `window_tail`: tokens every prompt ends with after SnapKV's observation window
-    (`observation_window_tail`; 0 = the window ends the prompt).
+    (`observation_window_tail`; 0 = the window ends the prompt). `sampler`: rollout.sampler (`_sample`).
     """
     simulated = None
     if not eviction.apply:  # rollout.eviction.apply false: the prefill's decisions, recorded but not applied
@@ -579,7 +614,7 @@ def generate_batch(
         tokens, logprobs, lengths, stopped = decode(model, logits, state, cache, kwargs, max_new_tokens,
                                                     eos_token_id, pad_token_id, temperature,
                                                     generator, stop_check_interval(state.device, stop_check_every),
-                                                    step)
+                                                    step, sampler)
     if simulated is not None:  # the dense run's tokens and cache, the policy's decisions as the shadow mask
         state.evict_at = simulated
     return sample_results(state, tokens, logprobs, lengths, stopped), batch_stats(model, state, cache,
@@ -748,7 +783,8 @@ def compiled_decode_step(model):
 
 def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCache, kwargs: dict[str, Any],
            max_new_tokens: int, eos_token_id: int | None, pad_token_id: int, temperature: float,
-           generator: torch.Generator | None, stop_check_every: int = 1, step_fn=_decode_step):
+           generator: torch.Generator | None, stop_check_every: int = 1, step_fn=_decode_step,
+           sampler: str = "multinomial"):
     """Sample token by token until every sequence stopped or max_new_tokens; each step feeds the sampled token
     at its original position and evicts down to the budget.
 
@@ -768,7 +804,7 @@ def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCach
     step_window = state.policy.recent_window(step_keep)
     P = state.seq_length
     for step in range(max_new_tokens):
-        tok, lp = _sample(logits[:, -1], temperature, generator)
+        tok, lp = _sample(logits[:, -1], temperature, generator, sampler)
         tokens[:, step] = tok
         logprobs[:, step] = lp
         lengths += alive
