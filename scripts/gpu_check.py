@@ -64,11 +64,11 @@ LEARNERS = ("dense", "smd_flex", "smd_gather")
 LEARNER_LABELS = {"dense": "dense learner", "smd_flex": "smd (flex)", "smd_gather": "physical KV slicing",
                   "smd_sdpa": "smd (sdpa)", "smd_tiled": "smd (tiled)"}
 GIB = 2**30
-# Seconds per part on one H200; a part past its limit is one TIMEOUT row after the rows it finished. Estimates, not
-# measurements (no GPU has run the check yet): correctness's 11 DeepSpeed learner runs and cold FlexAttention
-# compiles ~140-180 s, learner ~90-110 s, e2e ~120-160 s (issue 32). Together with the install they exceed
-# DEFAULT_TOTAL_S on purpose: the shared deadline cuts the last part rather than leave time unused.
-DEFAULT_LIMITS = {"preflight": 75, "correctness": 180, "rollout": 100, "learner": 100, "e2e": 150}
+# Seconds per part on one H200, from the first run on one (2026-12-04, docs/design.md §3b): preflight 37 s,
+# correctness 102 s with the two flex tests failing at once (a cold flex compile adds ~30 s each), rollout 77 s,
+# learner > 100 s (cut during physical KV slicing at 16k), e2e 162 s. A part past its limit is one TIMEOUT row
+# after the rows it finished; the shared deadline cuts the last part rather than leave time unused.
+DEFAULT_LIMITS = {"preflight": 60, "correctness": 170, "rollout": 100, "learner": 120, "e2e": 190}
 # The whole check, wheel install included (gpu_check.sh sets SMD_GPU_CHECK_T0): under one 600 s command limit
 # with room for the table and the interpreter's start-up.
 DEFAULT_TOTAL_S = 570
@@ -345,6 +345,9 @@ def preflight_part(device: str = "cuda", emit: Callable[[Row], Row] | None = Non
     add(Row("preflight", "python", "ok", f"{platform.python_version()} ({sys.executable})"))
     add(_version_row("torch", (2, 11)))
     add(_version_row("transformers", (5, 17)))
+    # the image's own pyarrow (scripts/gpu_wheels.sh carries none: pyproject's smallest one no longer fits)
+    add(_version_row("pyarrow", (17,)))
+    add(_version_row("pydantic", (2, 7)))
     missing = []
     for name in CHECK_IMPORTS:
         try:

@@ -18,7 +18,7 @@ from schemas.params import load_params
 from schemas.params.compaction import CompactionParams
 from schemas.params.learner import LearnerParams
 from stages.common.distributed import init_distributed, worker_context
-from stages.common.model import configure_precision, load_policy, resolve_device
+from stages.common.model import configure_precision, load_policy, place_model, resolve_device
 from stages.compaction import run_compaction
 from stages.learner.data import build_micro_batch, load_learner_data
 from stages.learner.logprobs import chunked_token_scores, lm_head_of
@@ -99,6 +99,28 @@ def test_attention_backend_auto_is_flex_on_cuda_and_sdpa_on_cpu():
     assert (cfg.backend_for("cuda"), cfg.backend_for("cpu")) == ("flex", "sdpa")
     for name in ("sdpa", "flex", "tiled"):  # an explicit backend is used on every device
         assert {LearnerParams(attention_backend=name).backend_for(d) for d in ("cpu", "cuda")} == {name}
+
+
+def test_a_bare_cuda_device_is_placed_on_the_current_gpu(monkeypatch):
+    """place_model("cuda") sets the current GPU by its index: torch.cuda.set_device raises on an index-less
+    device ("Expected a torch.device with a specified index", found by the GPU check on an H200). Recorded
+    here with the CUDA calls replaced, so the check runs without a GPU."""
+    set_to, moved_to = [], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append(d))
+    monkeypatch.setattr("stages.common.model.configure_precision", lambda device, dtype: None)
+
+    class Model:
+        def to(self, device):
+            moved_to.append(device)
+
+        def parameters(self):
+            return iter([torch.zeros(1)])
+
+    place_model(Model(), "cuda")
+    place_model(Model(), "cuda:1")
+    assert set_to == [torch.device("cuda", 3), torch.device("cuda", 1)]
+    assert moved_to == set_to
 
 
 def test_tf32_is_left_alone_on_cpu_and_for_bf16(monkeypatch):

@@ -264,6 +264,8 @@ def place_model(model, device: torch.device | str):
     """Move `model` to `device` (a `resolve_device` result) and set the precision flags its dtype needs there."""
     device = torch.device(device)
     if device.type == "cuda":
+        if device.index is None:  # a bare "cuda" is the current GPU; torch.cuda.set_device needs an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # kernels, NCCL and CUDA generators default to this process's GPU
     model.to(device)
     configure_precision(device, next(model.parameters()).dtype)
