@@ -51,7 +51,7 @@ def _run(root, arm, seed, last=6, evaluate_every=3, nll=True, reward_offset=0.0)
         if i % evaluate_every == 0:
             ev = {"eval/dense/score": DENSE.get(arm, {}).get(seed, 0.5) if i == 6 else 0.1 * i,
                   "eval/compressed/score": COMPRESSED.get(arm, {}).get(seed, 0.5) if i == 6 else 0.1 * i,
-                  "eval/dense/exact_match": 0.5}
+                  "eval/dense/exact_match": 0.5, "eval/compressed/exact_match": 0.25 + 0.1 * seed}
             if nll:
                 ev["eval/dense/reference_nll"] = 1.0 + seed
             _write(it / "evaluate" / "metrics.json", ev)
@@ -134,6 +134,8 @@ def test_seed_stats_hand_checked(runs, tmp_path):
     assert n["paired"]["mean"] == pytest.approx(-0.1) and n["paired"]["high"] == pytest.approx(-0.1 + 0.1 * hw3)
     assert n["paired"]["separated"] is False
     c = head["naive@0.5"]["compressed_score"]["paired"]
+    em = head["naive@0.5"]["compressed_exact_match"]  # exact match under the compressed cache: 0.25, 0.35, 0.45
+    assert em["mean"] == pytest.approx(0.35) and em["paired"]["differences"] == pytest.approx({0: 0, 1: 0, 2: 0})
     assert c["mean"] == pytest.approx(-0.35) and c["low"] == pytest.approx(-0.35 - 0.05 * hw3) and c["separated"]
     # train reward: iteration 6 itself, and each seed's mean over iterations 2..6 first
     r = head["dense"]["train_reward"]

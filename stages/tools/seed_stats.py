@@ -60,6 +60,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("dense_score", "held-out dense score", "evaluate", "eval/dense/score"),
     Metric("compressed_score", "held-out compressed score", "evaluate", "eval/compressed/score"),
     Metric("dense_exact_match", "held-out dense EM", "evaluate", "eval/dense/exact_match"),
+    Metric("compressed_exact_match", "held-out compressed EM", "evaluate", "eval/compressed/exact_match"),
     Metric("reference_nll", "reference NLL", "evaluate", "eval/dense/reference_nll"),
     Metric("train_reward", "train reward", "rollout", "reward/mean", window=True),
     Metric("mismatch_kl", "mismatch KL", "learn", "mismatch/kl", window=True),
