@@ -134,9 +134,9 @@ def test_seed_stats_hand_checked(runs, tmp_path):
     assert n["paired"]["mean"] == pytest.approx(-0.1) and n["paired"]["high"] == pytest.approx(-0.1 + 0.1 * hw3)
     assert n["paired"]["separated"] is False
     c = head["naive@0.5"]["compressed_score"]["paired"]
+    assert c["mean"] == pytest.approx(-0.35) and c["low"] == pytest.approx(-0.35 - 0.05 * hw3) and c["separated"]
     em = head["naive@0.5"]["compressed_exact_match"]  # exact match under the compressed cache: 0.25, 0.35, 0.45
     assert em["mean"] == pytest.approx(0.35) and em["paired"]["differences"] == pytest.approx({0: 0, 1: 0, 2: 0})
-    assert c["mean"] == pytest.approx(-0.35) and c["low"] == pytest.approx(-0.35 - 0.05 * hw3) and c["separated"]
     # train reward: iteration 6 itself, and each seed's mean over iterations 2..6 first
     r = head["dense"]["train_reward"]
     assert r["values"] == pytest.approx({0: 0.6, 1: 0.61, 2: 0.62})
