@@ -84,7 +84,8 @@ def bench_rollout_cmd(
     engines: Annotated[str | None, typer.Option(
         help="With --model: comma-separated engines (default generate,dense,snapkv,vllm; with --group-size "
              "smd-snapkv-shared,smd-snapkv-shared-icdf,smd-snapkv-per-sample,smd-dense-shared,vllm-prefix-cache,"
-             "vllm-no-prefix-cache).")] = None,
+             "vllm-no-prefix-cache; each may end in @B to decode B sequences together instead of --batch-size, "
+             "e.g. smd-snapkv-shared@64).")] = None,
     budget_sequences: Annotated[int, typer.Option(
         min=1, help="With --model: the KV-cache budget is the dense cache of this many sequences of 1024 prompt "
                     "tokens plus the new tokens.")] = 4,
@@ -199,6 +200,11 @@ def bench_learner_cmd(
         "--profile/--no-profile",
         help="With --group-size: after the timed runs, each arm once more under torch.profiler: its phases "
              "(parity pass, forward, lm head, backward, optimizer) and top operators by self CPU time.")] = False,
+    memory: Annotated[bool, typer.Option(
+        "--memory/--no-memory",
+        help="With --group-size: after the timed runs, each arm's resumed learn call (AdamW's moments loaded, as "
+             "a chain's from iteration 2) itemized: torch's allocation at its peak by torch.profiler's memory "
+             "category (weights, optimizer state, gradients, activations, temporaries) beside the resident set.")] = False,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
     if gradient_checkpointing and (lora_rank is None or group_size is not None):
@@ -216,7 +222,7 @@ def bench_learner_cmd(
             chosen = [a.strip() for a in arms.split(",")] if arms else None
             bench_learner_grpo(model, group_size, prompts, prompt_tokens, response_tokens, micro_batch_size, repeats,
                                threads, cores, arms=chosen, profile=profile,
-                               shared_micro_batch_size=shared_micro_batch_size)
+                               shared_micro_batch_size=shared_micro_batch_size, memory=memory)
 
         guarded(grpo)
         return

@@ -228,6 +228,44 @@ def test_bench_learner_grpo_profile_clocks_the_step(converted):
     assert len(ops) >= 5 and any(name.startswith("aten::") for name, _, _ in ops[:12])
 
 
+def test_memory_categories_at_the_peak_by_hand():
+    """`categories_at_peak`: the moment the categories' sum is largest (a leading 0 column, as torch's timeline
+    has), that moment's bytes per category, and each category's own largest value."""
+    from stages.bench.learner_grpo import categories_at_peak
+
+    names = ["PARAMETER", "GRADIENT", None]
+    sizes = [[0, 10, 0, 1], [0, 10, 5, 3], [0, 10, 8, 0], [0, 10, 0, 9]]
+    out = categories_at_peak(sizes, names)
+    assert out["peak_bytes"] == 19  # 10+0+9 beats 10+8+0 and 10+5+3
+    assert out["at_peak"] == {"weights": 10, "gradients": 0, "unattributed": 9}
+    assert out["category_max"] == {"weights": 10, "gradients": 8, "unattributed": 9}
+
+
+@pytest.mark.slow
+def test_bench_learner_grpo_memory_itemizes_a_resumed_call(converted):
+    """~40 s: `bench learner --model DIR --group-size G --memory`: the resumed learn call's torch allocation at its
+    peak holds the weights and AdamW's two moments (the model's parameter bytes, twice for the moments), and the
+    table names every category."""
+    from stages.bench.learner_grpo import MEMORY_CATEGORIES, bench_learner_grpo
+    from stages.common.model import load_policy
+
+    lines: list[str] = []
+    rows = bench_learner_grpo(converted, group_size=2, prompts=2, prompt_tokens=24, response_tokens=4,
+                              micro_batch_size=2, repeats=1, threads=1, arms=["smd shared"], memory=True,
+                              log=lines.append)
+    mem = rows[0]["memory"]
+    weights = sum(p.numel() * 4 for p in load_policy(converted).parameters())
+    assert mem["resumed"] is True
+    # the parameters (a few bytes more: small tensors the profiler files with them); AdamW's two moments loaded
+    assert weights <= mem["at_peak"]["weights"] <= weights + 1024
+    assert 2 * weights <= mem["at_peak"]["optimizer state"] <= 2 * weights + 1024
+    assert mem["peak_bytes"] == sum(mem["at_peak"].values())
+    assert mem["rss_peak_mb"] >= mem["rss_before_mb"] > 0
+    start = lines.index(next(line for line in lines if line.startswith("# a resumed learn call itemized")))
+    assert [line.split(" | ")[0][2:] for line in lines[start + 3: start + 3 + len(MEMORY_CATEGORIES)]] == list(
+        MEMORY_CATEGORIES.values())
+
+
 def test_bench_learner_arms_at_two_micro_batch_sizes():
     """`--shared-micro-batch-size N`: the shared arms run at both sizes (the other one labelled "mb N"), the
     per-sample arms at --micro-batch-size only; `--arms` picks by label; an unknown arm is one line."""

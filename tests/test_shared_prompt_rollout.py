@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from schemas.errors import SmdInputError
 from schemas.params.rollout import POLICIES, EvictionParams
 from stages.common.kvcache.sampler import (
     _attend_grouped,
@@ -212,6 +213,31 @@ def test_bench_rollout_groups_without_vllm(tmp_path):
         seconds = [t for _, t, _ in ops]
         assert any(name.startswith("aten::") for name, _, _ in ops) and all(calls >= 1 for _, _, calls in ops)
         assert seconds == sorted(seconds, reverse=True) and seconds[0] > 0
+
+
+def test_bench_rollout_groups_engine_at_a_batch_size(tmp_path):
+    """`--engines smd-snapkv-shared@B`: the engine decodes B sequences together; its row says so, makes the same
+    tokens, and its ratio to today's per-sample engine (at --batch-size) is its rate over that engine's."""
+    from stages.bench.rollout import bench_rollout_groups, group_engine_spec
+
+    assert group_engine_spec("smd-snapkv-shared@64", 16) == ("smd-snapkv-shared", 64)
+    assert group_engine_spec("vllm-prefix-cache", 16) == ("vllm-prefix-cache", 16)
+    for bad, said in [("smd-snapkv-shared@0", "whole number >= 1"), ("smd-snapkv-shared@x", "whole number >= 1"),
+                      ("smd-fast@8", "choose from")]:
+        with pytest.raises(SmdInputError, match=said):
+            group_engine_spec(bad, 16)
+    lines: list[str] = []
+    rows = bench_rollout_groups(make_model_dir(tmp_path, "gqa"), 3, [24], num_prompts=2, new_tokens=3, batch_size=2,
+                                repeats=1, engines=["smd-snapkv-per-sample", "smd-snapkv-shared@6"],
+                                print_fn=lines.append)
+    today, shared = rows
+    assert (today["label"], today["batch_size"]) == ("smd-snapkv-per-sample", 2)
+    assert (shared["label"], shared["engine"], shared["batch_size"]) == ("smd-snapkv-shared@6", "smd-snapkv-shared", 6)
+    assert today["made"] == shared["made"] == 2 * 3 * 3
+    assert today["vs_per_sample"] == 1.0
+    assert shared["vs_per_sample"] == pytest.approx(shared["tokens_per_s"] / today["tokens_per_s"], rel=1e-12)
+    assert shared["batch_kv_bytes"] == pytest.approx(shared["kv_bytes_per_group"] * 6 / 3, rel=1e-12)
+    assert any(line.split()[1:3] == ["smd-snapkv-shared@6", "6"] for line in lines)
 
 
 @pytest.mark.slow

@@ -192,8 +192,88 @@ def arm_main(spec_json: str) -> None:
     }), flush=True)
 
 
+# torch.profiler's memory categories (torch.profiler._memory_profiler.Category), as the rows of the itemized peak
+MEMORY_CATEGORIES: dict[str, str] = {
+    "PARAMETER": "weights", "OPTIMIZER_STATE": "optimizer state", "GRADIENT": "gradients",
+    "ACTIVATION": "activations (saved for backward)", "AUTOGRAD_DETAIL": "autograd detail",
+    "TEMPORARY": "temporaries", "INPUT": "inputs", None: "unattributed",
+}
+
+
+def categories_at_peak(sizes: list[list[int]], names: list[str | None]) -> dict[str, Any]:
+    """The moment torch's allocated bytes peak in a memory timeline (`MemoryProfileTimeline._coalesce_timeline`:
+    per moment, a leading 0 then bytes per category in `names`' order): that moment's bytes per category, and each
+    category's own largest bytes over the run. Pure, so that it can be checked by hand."""
+    arr = np.asarray(sizes, dtype=np.int64)[:, 1:]
+    total = arr.sum(axis=1)
+    i = int(total.argmax())
+    return {"peak_bytes": int(total[i]), "at_peak": {MEMORY_CATEGORIES.get(n, str(n)): int(arr[i, j]) for j, n in enumerate(names)},
+            "category_max": {MEMORY_CATEGORIES.get(n, str(n)): int(arr[:, j].max()) for j, n in enumerate(names)}}
+
+
+def memory_arm_main(spec_json: str) -> None:
+    """`--memory`: one arm's resumed learn call itemized (the bench's subprocess; prints one JSON line).
+
+    A chain's learn call from iteration 2 on resumes AdamW's moments, so they are live through the whole step
+    (docs/design.md §3c). This runs a first learn call (fresh optimizer) that writes a policy and its trainer
+    state, then from it a resumed call (`learner.resume_optimizer` true) whose resident-set peak is measured
+    (glibc set to release freed memory, the peak reset at its start), then the same resumed call once more under
+    torch.profiler with memory profiling: its categorized timeline (torch.profiler's memory profiler: weights,
+    optimizer state, gradients, activations saved for backward, autograd detail, temporaries, inputs) at the
+    moment torch's allocated bytes peak. What the resident set holds beyond torch's allocation (Python, torch's
+    and DeepSpeed's runtime, the allocator's slack) is the difference."""
+    import gc
+
+    from stages.bench.learner import _malloc_live_tracking, _reset_peak
+
+    spec = json.loads(spec_json)
+    _malloc_live_tracking()
+    import torch
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+
+    import stages.learner.train as train
+    from schemas.params import load_params
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+
+    def learn(iteration: int, policy: Path, out: Path, resume: bool) -> dict[str, Any]:
+        params = load_params(None, [
+            f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
+            f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
+            f"learner.resume_optimizer={str(resume).lower()}", "learner.lr=1e-7",
+            f"learner.attention_backend={spec['backend']}", "rollout.eviction.policy=snapkv",
+            f"rollout.temperature={spec['temperature']}"])
+        res = train.run_learner(params, iteration, policy, spec["trajectories"], spec["masks"], out)
+        return json.loads(res["details"].read_text())
+
+    def settle() -> float:
+        gc.collect()
+        _malloc_live_tracking()
+        return _rss_mb()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        first = Path(tmp) / "policy-1"
+        learn(1, Path(spec["model"]), first, resume=False)
+        before = settle()
+        _reset_peak()
+        details = learn(2, first, Path(tmp) / "policy-2", resume=True)
+        peak = _hwm_mb()
+        after = settle()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                    record_shapes=True, with_stack=True) as prof:
+            learn(2, first, Path(tmp) / "policy-3", resume=True)
+        _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    names = [c.name if c is not None else None for c in sorted(_CATEGORY_TO_INDEX, key=_CATEGORY_TO_INDEX.get)]
+    print("SMD_BENCH " + json.dumps({
+        "rss_before_mb": before, "rss_peak_mb": peak, "rss_after_mb": after,
+        "resumed": bool(details["learner/resumed_optimizer"]),
+        **categories_at_peak(sizes, names)}), flush=True)
+
+
 def _run_arm(spec: dict[str, Any], cores: str | None) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", f"from stages.bench.learner_grpo import arm_main; arm_main({json.dumps(json.dumps(spec))})"]
+    main = "memory_arm_main" if spec.get("memory") else "arm_main"
+    cmd = [sys.executable, "-c", f"from stages.bench.learner_grpo import {main}; {main}({json.dumps(json.dumps(spec))})"]
     if cores:
         cmd = ["taskset", "-c", cores, *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"] or os.cpu_count())}
@@ -231,12 +311,13 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
                        response_tokens: int = 16, micro_batch_size: int = 8, repeats: int = 2, threads: int = 1,
                        cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
                        temperature: float = 0.7, profile: bool = False, shared_micro_batch_size: int | None = None,
-                       log=print) -> list[dict[str, Any]]:
+                       memory: bool = False, log=print) -> list[dict[str, Any]]:
     """Run every arm `repeats` times (interleaved), print the table, return its rows; `profile`: then each arm
     once more, untimed, profiled (its phases and top operators printed after the table, and in its row's
     "profile": phases in seconds, top_ops as (name, self CPU seconds, calls)). `shared_micro_batch_size`: the
     shared arms also at this many rows a micro-batch (several groups: their prompts in one call); every shared
-    row's "vs per-sample" is against the per-sample arm at `micro_batch_size`."""
+    row's "vs per-sample" is against the per-sample arm at `micro_batch_size`. `memory`: then each arm's resumed
+    learn call itemized (`memory_arm_main`), printed after the table and in its row's "memory"."""
     import torch
     from transformers import AutoConfig
 
@@ -269,6 +350,8 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         profiles = {}
         for label, objective, shared, size in chosen if profile else ():
             profiles[label] = _run_arm({**arm_spec(objective, shared, size), "profile": True}, cores)
+        itemized = {label: _run_arm({**arm_spec(objective, shared, size), "memory": True}, cores)
+                    for label, objective, shared, size in (chosen if memory else ())}
     weights_mb = n_params * 4 / 2**20
     log(f"# analytic: weights {weights_mb:.0f} MB, gradients {weights_mb:.0f} MB, AdamW moments {2 * weights_mb:.0f} MB "
         f"(sum {4 * weights_mb:.0f} MB)")
@@ -285,10 +368,37 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         engine = r.get("rss_engine_mb", policy)
         log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['parity_s']:.2f} | {r['learn_s']:.1f} | {start:.0f} | "
             f"{policy - start:.0f} | {engine - policy:.0f} | {r['rss_peak_mb'] - engine:.0f} | {r['rss_peak_mb']:.0f} |")
-        rows.append({"arm": label, "micro_batch_size": size, **r, **({"profile": profiles[label]} if label in profiles else {})})
+        rows.append({"arm": label, "micro_batch_size": size, **r, **({"profile": profiles[label]} if label in profiles else {}),
+                     **({"memory": itemized[label]} if label in itemized else {})})
     for label, prof in profiles.items():
         log_profile(label, prof, log)
+    if itemized:
+        log_memory(itemized, 4 * weights_mb, log)
     return rows
+
+
+def log_memory(itemized: dict[str, dict[str, Any]], state_mb: float, log=print) -> None:
+    """`--memory`'s table: per arm, a resumed learn call's torch allocation at its peak by category, and its
+    resident set (before the call: runtime, weights and AdamW's moments; the call's peak); `state_mb` is the
+    analytic weights + gradients + AdamW moments."""
+    labels = list(itemized)
+    mb = 2**20
+    log("# a resumed learn call itemized (`--memory`): torch's allocated MB at its peak, by torch.profiler's "
+        "memory category; RSS from an unprofiled run of the same call")
+    log("| MB | " + " | ".join(labels) + " |")
+    log("|---|" + "---|" * len(labels))
+    for cat in MEMORY_CATEGORIES.values():
+        log(f"| {cat} | " + " | ".join(f"{itemized[a]['at_peak'].get(cat, 0) / mb:.0f}" for a in labels) + " |")
+    rows = [("torch allocated at its peak", lambda m: m["peak_bytes"] / mb),
+            ("RSS before the call", lambda m: m["rss_before_mb"]),
+            ("RSS peak of the call", lambda m: m["rss_peak_mb"]),
+            ("RSS peak - torch peak (runtime, allocator)", lambda m: m["rss_peak_mb"] - m["peak_bytes"] / mb),
+            ("activations + temporaries at the peak", lambda m: (m["at_peak"]["activations (saved for backward)"]
+                                                                 + m["at_peak"]["temporaries"]) / mb),
+            ("RSS peak / (weights + gradients + AdamW)", lambda m: m["rss_peak_mb"] / state_mb)]
+    for name, fn in rows:
+        log(f"| {name} | " + " | ".join(f"{fn(itemized[a]):.2f}" if name.startswith("RSS peak /")
+                                        else f"{fn(itemized[a]):.0f}" for a in labels) + " |")
 
 
 def log_profile(label: str, prof: dict[str, Any], log=print) -> None:

@@ -416,6 +416,20 @@ def _fastest_runs(run, warmup, repeats: int) -> tuple[float, Any]:
     return best, out
 
 
+def group_engine_spec(spec: str, batch_size: int) -> tuple[str, int]:
+    """An `--engines` entry with `--group-size`: an engine of `GROUP_ENGINES`, optionally `@B` for B sequences
+    decoded together instead of `--batch-size` (e.g. `smd-snapkv-shared@64`: sharing stores a group's prompt once,
+    so the same KV bytes hold a larger batch). Returns (engine, batch size)."""
+    name, _, batch = spec.partition("@")
+    if name not in GROUP_ENGINES:
+        raise SmdInputError(f"--engines: {name!r}; with --group-size choose from {', '.join(GROUP_ENGINES)}")
+    if not batch:
+        return name, batch_size
+    if not batch.isdigit() or int(batch) < 1:
+        raise SmdInputError(f"--engines: {spec!r}: the batch after '@' must be a whole number >= 1")
+    return name, int(batch)
+
+
 def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[int] | None = None,
                          num_prompts: int = 16, keep_ratio: float = 0.5, new_tokens: int = 16, batch_size: int = 16,
                          repeats: int = 2, engines: list[str] | None = None, profile: bool = False,
@@ -429,7 +443,9 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     smd dense shared (`batch_size` consecutive jobs per batch, as rollout.batch_size), vLLM with
     `SamplingParams(n=G)` and prefix caching on (a group's prompt computed and stored once: vLLM's automatic
     prefix caching, the sharing SGLang's RadixAttention also does) and off, `batch_size` sequences decoded
-    together. Every engine runs an untimed warm-up (its first batch) first; the fastest of `repeats` runs counts;
+    together; an engine named `engine@B` decodes B sequences together instead (`group_engine_spec`), so one run can
+    set a shared engine at the batch the per-sample engine's KV bytes would hold beside today's batch. Every engine
+    runs an untimed warm-up (its first batch) first; the fastest of `repeats` runs counts;
     every timed vLLM run starts with an empty prefix cache. smd's runs are interleaved; the two vLLM engines run
     one after the other (one vLLM engine in a process at a time). KV bytes per group: smd's slot tensors (the
     largest batch's, per sequence x G); vLLM's, the blocks a group holds (`grouped_kv_tokens`,
@@ -443,10 +459,8 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     from stages.common.model import load_policy
 
     model_dir = Path(model_dir)
-    names = list(engines or GROUP_ENGINES)
-    for e in names:
-        if e not in GROUP_ENGINES:
-            raise SmdInputError(f"--engines: {e!r}; with --group-size choose from {', '.join(GROUP_ENGINES)}")
+    names = list(dict.fromkeys(engines or GROUP_ENGINES))
+    spec_of = {e: group_engine_spec(e, batch_size) for e in names}  # row label -> (engine, batch size)
     vllm_names = [e for e in names if e.startswith("vllm")]
     if vllm_names and not vllm_sampler.available():
         print_fn(f"vLLM is not installed: its rows are left out ({vllm_sampler.INSTALL_HINT})")
@@ -460,13 +474,17 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
     print_fn(f"{model_dir}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32 on the CPU, "
              f"{torch.get_num_threads()} torch threads, cores {','.join(map(str, cores)) or '?'}; GRPO workload "
              f"{num_prompts} prompts x G {group_size}, {new_tokens} new tokens each (temperature 1, EOS ignored), "
-             f"{batch_size} sequences decoded together; an untimed warm-up run per engine, then the fastest of "
+             f"{batch_size} sequences decoded together (an engine@B: B); an untimed warm-up run per engine, then "
+             f"the fastest of "
              f"{repeats}; every timed vLLM run starts with an empty prefix cache; SnapKV keep {keep_ratio}")
     print_fn("KV MiB/group: what the engine holds for one group (smd: its slot tensors; vLLM: the blocks of "
              "`block` tokens it allocates); token KV: vLLM's at a block of 1 token (the prompt once with prefix "
-             "caching, plus every response), smd's slot tensors again")
-    print_fn(f"{'prompt':>6} {'engine':>22} {'seconds':>8} {'tok/s':>7} {'x vllm-pc':>9} {'KV MiB/group':>12} "
-             f"{'KV x vllm-pc':>12} {'token KV MiB':>12} {'x vllm-pc':>9}")
+             "caching, plus every response), smd's slot tensors again; batch KV MiB: KV MiB/group x batch / G; "
+             "x vllm-pc: against vllm-prefix-cache at --batch-size; x per-sample: against smd-snapkv-per-sample "
+             "at --batch-size (smd before sharing)")
+    print_fn(f"{'prompt':>6} {'engine':>26} {'batch':>5} {'seconds':>8} {'tok/s':>7} {'x vllm-pc':>9} "
+             f"{'x per-sample':>12} {'KV MiB/group':>12} {'KV x vllm-pc':>12} {'token KV MiB':>12} {'x vllm-pc':>9} "
+             f"{'batch KV MiB':>12}")
     rows: list[dict] = []
     profiles: dict[tuple[int, str], tuple[float, list]] = {}
     for T in lengths:
@@ -479,29 +497,29 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
                "smd-snapkv-shared-icdf": (snapkv, True, "inverse_cdf"),
                "smd-snapkv-per-sample": (snapkv, False, "multinomial"),
                "smd-dense-shared": (EvictionParams(policy="dense"), True, "multinomial")}
-        smd_names = [e for e in names if e in smd]
+        smd_names = [e for e in names if spec_of[e][0] in smd]
         for e in smd_names:  # warm-up: each engine's first batch
-            ev, share, sampler = smd[e]
-            _smd_group_run(model, jobs[:batch_size], ev, share, new_tokens, batch_size, group_size, sampler)
+            (ev, share, sampler), batch = smd[spec_of[e][0]], spec_of[e][1]
+            _smd_group_run(model, jobs[:batch], ev, share, new_tokens, batch, group_size, sampler)
         for _ in range(repeats):
             for e in smd_names:
-                ev, share, sampler = smd[e]
+                (ev, share, sampler), batch = smd[spec_of[e][0]], spec_of[e][1]
                 t0 = time.perf_counter()
-                made, kv = _smd_group_run(model, jobs, ev, share, new_tokens, batch_size, group_size, sampler)
+                made, kv = _smd_group_run(model, jobs, ev, share, new_tokens, batch, group_size, sampler)
                 dt = time.perf_counter() - t0
                 if dt < res.get(e, {}).get("seconds", float("inf")):
                     res[e] = {"seconds": dt, "made": made, "kv_bytes_per_group": kv, "token_kv_bytes_per_group": kv}
         for e in smd_names if profile else ():
-            ev, share, sampler = smd[e]
-            profiles[T, e] = profiled(partial(_smd_group_run, model, jobs, ev, share, new_tokens, batch_size,
+            (ev, share, sampler), batch = smd[spec_of[e][0]], spec_of[e][1]
+            profiles[T, e] = profiled(partial(_smd_group_run, model, jobs, ev, share, new_tokens, batch,
                                               group_size, sampler))
         for e in vllm_names:
-            caching = e == "vllm-prefix-cache"
-            engine = vllm_sampler.VllmEngine(model_dir, "float32", longest + new_tokens + 1, batch_size,
+            caching, batch = spec_of[e][0] == "vllm-prefix-cache", spec_of[e][1]
+            engine = vllm_sampler.VllmEngine(model_dir, "float32", longest + new_tokens + 1, batch,
                                              prefix_caching=caching)
             try:
                 block = int(engine.llm.llm_engine.vllm_config.cache_config.block_size)
-                warm = prompts[: max(1, batch_size // group_size)]  # the first batch's groups
+                warm = prompts[: max(1, batch // group_size)]  # the first batch's groups
                 dt, made = _fastest_runs(partial(_vllm_group_run, engine, prompts, new_tokens, group_size),
                                          partial(_vllm_group_run, engine, warm, new_tokens, group_size), repeats)
                 if profile:
@@ -512,20 +530,24 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
             res[e] = {"seconds": dt, "made": made, "block_size": block,
                       "kv_bytes_per_group": kv_tokens(longest, new_tokens, group_size, block) * per_token,
                       "token_kv_bytes_per_group": kv_tokens(longest, new_tokens, group_size, 1) * per_token}
-        ref = res.get("vllm-prefix-cache")
+        ref, today = res.get("vllm-prefix-cache"), res.get("smd-snapkv-per-sample")
         for e in names:
-            r = res[e]
+            r, batch = res[e], spec_of[e][1]
             rate = r["made"] / r["seconds"]
             vs = rate / (ref["made"] / ref["seconds"]) if ref else float("nan")
+            vs_today = rate / (today["made"] / today["seconds"]) if today else float("nan")
             kv_vs = r["kv_bytes_per_group"] / ref["kv_bytes_per_group"] if ref else float("nan")
             tok_vs = r["token_kv_bytes_per_group"] / ref["token_kv_bytes_per_group"] if ref else float("nan")
-            rows.append({"prompt_tokens": T, "engine": e, "group_size": group_size, "prompts": num_prompts,
+            batch_kv = r["kv_bytes_per_group"] * batch / group_size
+            rows.append({"prompt_tokens": T, "engine": spec_of[e][0], "label": e, "batch_size": batch,
+                         "group_size": group_size, "prompts": num_prompts,
                          "new_tokens": new_tokens, "tokens_per_s": rate, "vs_vllm_prefix_cache": vs,
-                         "kv_vs_vllm_prefix_cache": kv_vs, "token_kv_vs_vllm_prefix_cache": tok_vs, **r,
+                         "vs_per_sample": vs_today, "kv_vs_vllm_prefix_cache": kv_vs,
+                         "token_kv_vs_vllm_prefix_cache": tok_vs, "batch_kv_bytes": batch_kv, **r,
                          **({"profile_ops": profiles[T, e][1]} if (T, e) in profiles else {})})
-            print_fn(f"{T:>6} {e:>22} {r['seconds']:>8.2f} {rate:>7.1f} {vs:>9.2f} "
+            print_fn(f"{T:>6} {e:>26} {batch:>5} {r['seconds']:>8.2f} {rate:>7.1f} {vs:>9.2f} {vs_today:>12.2f} "
                      f"{r['kv_bytes_per_group'] / 2**20:>12.2f} {kv_vs:>12.2f} "
-                     f"{r['token_kv_bytes_per_group'] / 2**20:>12.2f} {tok_vs:>9.2f}")
+                     f"{r['token_kv_bytes_per_group'] / 2**20:>12.2f} {tok_vs:>9.2f} {batch_kv / 2**20:>12.2f}")
     for (T, e), (seconds, ops) in profiles.items():
         print_fn(f"# profile, {e} at {T} prompt tokens (one untimed run, profiler on: {seconds:.2f} s)")
         log_operators(ops, print_fn)
