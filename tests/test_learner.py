@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from schemas.compacted_masks import open_mask_store, write_mask_store
@@ -236,6 +237,44 @@ def test_fused_adamw_takes_the_foreach_step(tmp_path, setup):
                               params_of(outs[False]["policy"]))
     assert max_param_diff(before, fused) > 5e-5
     assert max_param_diff(fused, foreach) <= 1e-6
+
+
+def test_one_process_skips_the_identity_allreduce_bit_for_bit(tmp_path, setup, monkeypatch):
+    """On one process at ZeRO stage 0 the engine's gradient all-reduce is off (`skip_single_process_allreduce`:
+    there it is the identity, through a flat copy of every gradient); the policy it writes is bit for bit the one
+    the all-reduce gives, and several processes or ZeRO stages 1-2 keep it."""
+    import stages.learner.deepspeed_runtime as ds_runtime
+
+    root, model_dir, _, traj, masks = setup
+    seen: list[bool] = []
+    skip = ds_runtime.skip_single_process_allreduce
+
+    def recorded(engine, world):
+        seen.append(skip(engine, world))
+        assert engine.enable_backward_allreduce is not seen[-1]
+        return seen[-1]
+
+    monkeypatch.setattr(ds_runtime, "skip_single_process_allreduce", recorded)
+    skipped = run_learner(make_params(), 1, model_dir, traj, masks, tmp_path / "skipped" / "policy")
+    monkeypatch.setattr(ds_runtime, "skip_single_process_allreduce", lambda engine, world: False)
+    reduced = run_learner(make_params(), 1, model_dir, traj, masks, tmp_path / "reduced" / "policy")
+    assert seen == [True]
+    before, a, b = params_of(model_dir), params_of(skipped["policy"]), params_of(reduced["policy"])
+    assert max_param_diff(before, a) > 0
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    class Engine:
+        enable_backward_allreduce = True
+
+        def __init__(self, stage):
+            self.stage = stage
+
+        def zero_optimization_stage(self):
+            return self.stage
+
+    for world, stage in ((2, 0), (1, 1), (1, 2)):
+        engine = Engine(stage)
+        assert skip(engine, world) is False and engine.enable_backward_allreduce is True
 
 
 # ------------------------------------------------------------------------------------------ gate + bad input

@@ -121,7 +121,24 @@ def make_engine(model, cfg: LearnerParams, ctx: DistContext, grad_accum: int, re
                          load_universal=resume_from is not None and resume_mode(resume_from, cfg, ctx) == UNIVERSAL,
                          hidden_size=getattr(getattr(model, "config", None), "hidden_size", None)),
     )
+    skip_single_process_allreduce(engine, ctx.world)
     return engine
+
+
+def skip_single_process_allreduce(engine, world: int) -> bool:
+    """On one process with ZeRO stage 0, turn off the engine's gradient all-reduce; returns whether it did.
+
+    At every accumulation boundary DeepSpeed's stage-0 path (`engine.allreduce_gradients` ->
+    `buffered_allreduce_fallback`) flattens every gradient into one buffer of up to 5e8 elements, all-reduces it
+    over the data-parallel group, multiplies it by 1 / world and copies it back. On one process that is the
+    identity, exactly, yet the flat copy is as large as all the gradients: 513 MB on SmolLM2-135M, at the learn
+    call's peak (`smdctl bench learner --group-size 8 --memory`, docs/design.md §3c). `enable_backward_allreduce`
+    is DeepSpeed's own switch for it (its pipeline engine and a missing process group turn it off). ZeRO stages 1
+    and 2 reduce through their optimizer's own buckets and are left as they are."""
+    if world != 1 or engine.zero_optimization_stage() != 0:
+        return False
+    engine.enable_backward_allreduce = False
+    return True
 
 
 def release_engine(engine) -> None:
