@@ -131,8 +131,9 @@ def skip_single_process_allreduce(engine, world: int) -> bool:
     At every accumulation boundary DeepSpeed's stage-0 path (`engine.allreduce_gradients` ->
     `buffered_allreduce_fallback`) flattens every gradient into one buffer of up to 5e8 elements, all-reduces it
     over the data-parallel group, multiplies it by 1 / world and copies it back. On one process that is the
-    identity, exactly, yet the flat copy is as large as all the gradients: 513 MB on SmolLM2-135M, at the learn
-    call's peak (`smdctl bench learner --group-size 8 --memory`, docs/design.md §3c). `enable_backward_allreduce`
+    identity, exactly, yet the flat copy is as large as all the gradients (513 MB on SmolLM2-135M). Measured with
+    `smdctl bench learner --group-size 8 --memory` it does not lower the learn call's peak (3,455 MB against 3,457),
+    which falls elsewhere in the step (docs/design.md §3c); it saves the copy's time and transient memory. `enable_backward_allreduce`
     is DeepSpeed's own switch for it (its pipeline engine and a missing process group turn it off). ZeRO stages 1
     and 2 reduce through their optimizer's own buckets and are left as they are."""
     if world != 1 or engine.zero_optimization_stage() != 0:
