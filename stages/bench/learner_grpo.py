@@ -113,6 +113,20 @@ def _hwm_mb() -> float:
     return _status_kib("VmHWM") / 1024.0
 
 
+def arm_params(spec: dict[str, Any], resume: bool = False):
+    """The params every arm learns with: the arm's objective, sharing and micro-batch; the parity gate opened
+    (the synthetic log-probs are not the model's); `resume`: learner.resume_optimizer."""
+    from schemas.params import load_params
+
+    return load_params(None, [
+        f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
+        f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
+        f"learner.resume_optimizer={str(resume).lower()}", "learner.lr=1e-7",
+        f"learner.attention_backend={spec['backend']}", "rollout.eviction.policy=snapkv",
+        f"rollout.temperature={spec['temperature']}",
+    ])
+
+
 def arm_main(spec_json: str) -> None:
     """One arm in this process (the bench's subprocess): learn once from the workload, print one JSON line."""
     from stages.bench.learner import _malloc_live_tracking, _reset_peak
@@ -122,7 +136,6 @@ def arm_main(spec_json: str) -> None:
     import torch
 
     import stages.learner.train as train
-    from schemas.params import load_params
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
@@ -173,12 +186,7 @@ def arm_main(spec_json: str) -> None:
 
         train.make_engine = engine_timed
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-    params = load_params(None, [
-        f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
-        f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
-        "learner.resume_optimizer=false", "learner.lr=1e-7", f"learner.attention_backend={spec['backend']}",
-        "rollout.eviction.policy=snapkv", f"rollout.temperature={spec['temperature']}",
-    ])
+    params = arm_params(spec)
     with tempfile.TemporaryDirectory() as tmp, profiler or contextlib.nullcontext():
         out = train.run_learner(params, 1, Path(spec["model"]), spec["trajectories"], spec["masks"],
                                 Path(tmp) / "policy")
@@ -232,19 +240,12 @@ def memory_arm_main(spec_json: str) -> None:
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
 
     import stages.learner.train as train
-    from schemas.params import load_params
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
 
     def learn(iteration: int, policy: Path, out: Path, resume: bool) -> dict[str, Any]:
-        params = load_params(None, [
-            f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
-            f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
-            f"learner.resume_optimizer={str(resume).lower()}", "learner.lr=1e-7",
-            f"learner.attention_backend={spec['backend']}", "rollout.eviction.policy=snapkv",
-            f"rollout.temperature={spec['temperature']}"])
-        res = train.run_learner(params, iteration, policy, spec["trajectories"], spec["masks"], out)
+        res = train.run_learner(arm_params(spec, resume), iteration, policy, spec["trajectories"], spec["masks"], out)
         return json.loads(res["details"].read_text())
 
     def settle() -> float:
@@ -389,16 +390,15 @@ def log_memory(itemized: dict[str, dict[str, Any]], state_mb: float, log=print) 
     log("|---|" + "---|" * len(labels))
     for cat in MEMORY_CATEGORIES.values():
         log(f"| {cat} | " + " | ".join(f"{itemized[a]['at_peak'].get(cat, 0) / mb:.0f}" for a in labels) + " |")
-    rows = [("torch allocated at its peak", lambda m: m["peak_bytes"] / mb),
-            ("RSS before the call", lambda m: m["rss_before_mb"]),
-            ("RSS peak of the call", lambda m: m["rss_peak_mb"]),
-            ("RSS peak - torch peak (runtime, allocator)", lambda m: m["rss_peak_mb"] - m["peak_bytes"] / mb),
-            ("activations + temporaries at the peak", lambda m: (m["at_peak"]["activations (saved for backward)"]
-                                                                 + m["at_peak"]["temporaries"]) / mb),
-            ("RSS peak / (weights + gradients + AdamW)", lambda m: m["rss_peak_mb"] / state_mb)]
-    for name, fn in rows:
-        log(f"| {name} | " + " | ".join(f"{fn(itemized[a]):.2f}" if name.startswith("RSS peak /")
-                                        else f"{fn(itemized[a]):.0f}" for a in labels) + " |")
+    rows = [("torch allocated at its peak", "{:.0f}", lambda m: m["peak_bytes"] / mb),
+            ("RSS before the call", "{:.0f}", lambda m: m["rss_before_mb"]),
+            ("RSS peak of the call", "{:.0f}", lambda m: m["rss_peak_mb"]),
+            ("RSS peak - torch peak (runtime, allocator)", "{:.0f}", lambda m: m["rss_peak_mb"] - m["peak_bytes"] / mb),
+            ("activations + temporaries at the peak", "{:.0f}",
+             lambda m: (m["at_peak"]["activations (saved for backward)"] + m["at_peak"]["temporaries"]) / mb),
+            ("RSS peak / (weights + gradients + AdamW)", "{:.2f}", lambda m: m["rss_peak_mb"] / state_mb)]
+    for name, fmt, fn in rows:
+        log(f"| {name} | " + " | ".join(fmt.format(fn(itemized[a])) for a in labels) + " |")
 
 
 def log_profile(label: str, prof: dict[str, Any], log=print) -> None:

@@ -475,8 +475,7 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
              f"{torch.get_num_threads()} torch threads, cores {','.join(map(str, cores)) or '?'}; GRPO workload "
              f"{num_prompts} prompts x G {group_size}, {new_tokens} new tokens each (temperature 1, EOS ignored), "
              f"{batch_size} sequences decoded together (an engine@B: B); an untimed warm-up run per engine, then "
-             f"the fastest of "
-             f"{repeats}; every timed vLLM run starts with an empty prefix cache; SnapKV keep {keep_ratio}")
+             f"the fastest of {repeats}; every timed vLLM run starts with an empty prefix cache; SnapKV keep {keep_ratio}")
     print_fn("KV MiB/group: what the engine holds for one group (smd: its slot tensors; vLLM: the blocks of "
              "`block` tokens it allocates); token KV: vLLM's at a block of 1 token (the prompt once with prefix "
              "caching, plus every response), smd's slot tensors again; batch KV MiB: KV MiB/group x batch / G; "
@@ -497,20 +496,17 @@ def bench_rollout_groups(model_dir: str | Path, group_size: int, lengths: list[i
                "smd-snapkv-shared-icdf": (snapkv, True, "inverse_cdf"),
                "smd-snapkv-per-sample": (snapkv, False, "multinomial"),
                "smd-dense-shared": (EvictionParams(policy="dense"), True, "multinomial")}
-        smd_names = [e for e in names if spec_of[e][0] in smd]
-        for e in smd_names:  # warm-up: each engine's first batch
-            (ev, share, sampler), batch = smd[spec_of[e][0]], spec_of[e][1]
+        smd_runs = {e: (*smd[spec_of[e][0]], spec_of[e][1]) for e in names if spec_of[e][0] in smd}
+        for ev, share, sampler, batch in smd_runs.values():  # warm-up: each engine's first batch
             _smd_group_run(model, jobs[:batch], ev, share, new_tokens, batch, group_size, sampler)
         for _ in range(repeats):
-            for e in smd_names:
-                (ev, share, sampler), batch = smd[spec_of[e][0]], spec_of[e][1]
+            for e, (ev, share, sampler, batch) in smd_runs.items():
                 t0 = time.perf_counter()
                 made, kv = _smd_group_run(model, jobs, ev, share, new_tokens, batch, group_size, sampler)
                 dt = time.perf_counter() - t0
                 if dt < res.get(e, {}).get("seconds", float("inf")):
                     res[e] = {"seconds": dt, "made": made, "kv_bytes_per_group": kv, "token_kv_bytes_per_group": kv}
-        for e in smd_names if profile else ():
-            (ev, share, sampler), batch = smd[spec_of[e][0]], spec_of[e][1]
+        for e, (ev, share, sampler, batch) in smd_runs.items() if profile else ():
             profiles[T, e] = profiled(partial(_smd_group_run, model, jobs, ev, share, new_tokens, batch,
                                               group_size, sampler))
         for e in vllm_names:
