@@ -1,0 +1,106 @@
+"""The results doc's grid tables (docs/results-smollm2.md, issue 42) from `smdctl seed-stats` JSON and the runs' records.
+
+    python scripts/grid_tables.py RUNS_DIR --stats-dense A/seed_stats.json --stats-smd B/seed_stats.json
+
+prints two markdown tables:
+- scores at the final iteration, per arm: the compressed score seed by seed with its mean and 95% t interval, the
+  dense score and both exact matches (means), and the paired differences of the compressed score to the `dense`
+  arm and to smd (seed by seed, mean, interval; `seed-stats --reference dense` and `--reference smd-l0.1@0.5`);
+- cost per arm: seconds an iteration without and with evaluation (the chain log's "iteration i/N done in Xs";
+  evaluation runs every 2 iterations), the learner's peak resident set at iteration 1 and its largest over the run
+  (`learner/peak_rss_mb` of each iteration's learn details), and the largest parity |Δlogp| (`progress.json`).
+Nothing is computed here that seed-stats does not already state; this only lays its numbers out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+DONE = re.compile(r"iteration (\d+)/(\d+) done in ([0-9.]+)s")
+
+
+def fmt(x: float) -> str:
+    return f"{x:+.3f}".replace("-", "−")
+
+
+def interval(stat: dict) -> str:
+    if stat["n"] < 2:
+        return "(1 seed)"
+    return f"[{stat['low']:.3f}, {stat['high']:.3f}]".replace("-", "−")
+
+
+def paired(stat: dict | None) -> str:
+    if not stat or "paired" not in stat:
+        return "—"
+    p = stat["paired"]
+    seeds = ", ".join(fmt(p["differences"][str(s)]) for s in p["seeds"])
+    if p["n"] < 2:
+        return f"{seeds} (s{p['seeds'][0]})"
+    sep = ", separated" if p["separated"] else ""
+    return f"{seeds}; {fmt(p['mean'])} [{p['low']:.3f}, {p['high']:.3f}]{sep}".replace("-", "−")
+
+
+def score_table(dense_ref: dict, smd_ref: dict) -> list[str]:
+    rows = ["| arm | seeds | compressed score: per seed; mean [95% CI] | dense score | compressed EM | dense EM | "
+            "Δ compressed to dense (paired) | Δ compressed to smd λ 0.1 (paired) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for arm, head in dense_ref["headline"].items():
+        comp = head["compressed_score"]
+        per_seed = ", ".join(f"{v:.3f}" for v in comp["values"].values())
+        seeds = ", ".join(comp["values"])
+        smd_head = smd_ref["headline"].get(arm, {}).get("compressed_score")
+        rows.append(
+            f"| {arm} | {seeds} | {per_seed}; {comp['mean']:.3f} {interval(comp)} | "
+            f"{head['dense_score']['mean']:.3f} | {head['compressed_exact_match']['mean']:.3f} | "
+            f"{head['dense_exact_match']['mean']:.3f} | {paired(comp)} | {paired(smd_head)} |")
+    return rows
+
+
+def run_cost(run: Path) -> tuple[str, str, str, str, str]:
+    times = {int(m[1]): float(m[3]) for m in DONE.finditer((run / "chain.log").read_text())}
+    plain = [t for i, t in times.items() if i % 2 == 1 and i > 1]  # iteration 1 pays DeepSpeed's first JIT build
+    evald = [t for i, t in times.items() if i % 2 == 0]
+    rss = []
+    for i in sorted(times):
+        details = run / "artifacts" / f"iter-{i:03d}" / "learn" / "details.json"
+        if details.exists():
+            rss.append(json.loads(details.read_text()).get("learner/peak_rss_mb", float("nan")))
+    prog = run / "artifacts" / f"iter-{max(times):03d}" / "progress.json"
+    rows = json.loads(prog.read_text())["rows"] if prog.exists() else []
+    parity = max((r.get("mismatch/logprob_abs_diff_max", 0.0) for r in rows), default=float("nan"))
+
+    def span(xs: list[float]) -> str:  # the median, robust to an iteration slowed by other jobs; then the range
+        return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})" if xs else "—"
+    return (span(plain), span(evald), f"{rss[0]:,.0f}" if rss else "—", f"{max(rss):,.0f}" if rss else "—",
+            f"{parity:.1e}" if parity < 1e-2 else f"{parity:.1f}")
+
+
+def cost_table(runs_dir: Path) -> list[str]:
+    rows = ["| run | s/iteration without evaluation (3, 5, 7): median (range) | with evaluation (2, 4, 6, 8) | learner peak RSS MB, "
+            "iteration 1 | largest | max rollout-learner |Δlogp| |", "|---|---|---|---|---|---|"]
+    for run in sorted(runs_dir.glob("*-s[0-9]")):
+        if not (run / "chain.log").exists() or "iteration 8/8 done" not in (run / "chain.log").read_text():
+            continue
+        rows.append(f"| {run.name} | " + " | ".join(run_cost(run)) + " |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=Path)
+    ap.add_argument("--stats-dense", type=Path, required=True)
+    ap.add_argument("--stats-smd", type=Path, required=True)
+    a = ap.parse_args()
+    dense_ref = json.loads(a.stats_dense.read_text())
+    smd_ref = json.loads(a.stats_smd.read_text())
+    print("\n".join(score_table(dense_ref, smd_ref)))
+    print()
+    print("\n".join(cost_table(a.runs)))
+
+
+if __name__ == "__main__":
+    main()
