@@ -9,7 +9,10 @@ prints two markdown tables:
 - cost per arm: seconds an iteration without and with evaluation (the chain log's "iteration i/N done in Xs";
   evaluation runs every 2 iterations), the learner's peak resident set at iteration 1 and its largest over the run
   (`learner/peak_rss_mb` of each iteration's learn details), and the largest parity |Δlogp| (`progress.json`).
-Nothing is computed here that seed-stats does not already state; this only lays its numbers out.
+An arm's "compressed" score is under its own evaluation cache (`evaluate.compressed_eviction`, else its rollout's
+eviction: SnapKV 0.5 for most arms, SnapKV 0.3 or H2O 0.5 for the extended ones, SnapKV 0.5 for the dense arm), so a
+paired difference is printed only between arms scored under the same cache; a third table pairs smd with naive
+within each cache (`--pairs`), through seed-stats' own `paired`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import json
 import re
 import statistics
 from pathlib import Path
+
+import yaml
+
+from stages.tools.seed_stats import paired as paired_stats
 
 DONE = re.compile(r"iteration (\d+)/(\d+) done in ([0-9.]+)s")
 
@@ -44,19 +51,50 @@ def paired(stat: dict | None) -> str:
     return f"{seeds}; {fmt(p['mean'])} [{p['low']:.3f}, {p['high']:.3f}]{sep}".replace("-", "−")
 
 
-def score_table(dense_ref: dict, smd_ref: dict) -> list[str]:
-    rows = ["| arm | seeds | compressed score: per seed; mean [95% CI] | dense score | compressed EM | dense EM | "
-            "Δ compressed to dense (paired) | Δ compressed to smd λ 0.1 (paired) |",
-            "|---|---|---|---|---|---|---|---|"]
+def compressed_cache(runs_dir: Path, arm: str) -> str:
+    """The cache an arm's compressed score is measured under, from its first run's params.yaml."""
+    params = yaml.safe_load(next(runs_dir.glob(f"{arm}-s[0-9]")).joinpath("params.yaml").read_text())
+    ev = params["evaluate"].get("compressed_eviction") or params["rollout"]["eviction"]
+    return f"{ev['policy']} {ev['keep_ratio']}" if ev["policy"] != "dense" else "dense"
+
+
+def score_table(runs_dir: Path, dense_ref: dict, smd_ref: dict) -> list[str]:
+    rows = ["| arm | compressed cache | seeds | compressed score: per seed; mean [95% CI] | dense score | "
+            "compressed EM | dense EM | Δ compressed to dense (paired) | Δ compressed to smd λ 0.1 (paired) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    ref_cache = compressed_cache(runs_dir, "dense")
     for arm, head in dense_ref["headline"].items():
         comp = head["compressed_score"]
+        cache = compressed_cache(runs_dir, arm)
+        same = cache == ref_cache  # a difference across two caches is not a paired comparison
         per_seed = ", ".join(f"{v:.3f}" for v in comp["values"].values())
         seeds = ", ".join(comp["values"])
         smd_head = smd_ref["headline"].get(arm, {}).get("compressed_score")
         rows.append(
-            f"| {arm} | {seeds} | {per_seed}; {comp['mean']:.3f} {interval(comp)} | "
+            f"| {arm} | {cache} | {seeds} | {per_seed}; {comp['mean']:.3f} {interval(comp)} | "
             f"{head['dense_score']['mean']:.3f} | {head['compressed_exact_match']['mean']:.3f} | "
-            f"{head['dense_exact_match']['mean']:.3f} | {paired(comp)} | {paired(smd_head)} |")
+            f"{head['dense_exact_match']['mean']:.3f} | {paired(comp) if same else 'other cache'} | "
+            f"{paired(smd_head) if same else 'other cache'} |")
+    return rows
+
+
+def pair_table(dense_ref: dict, pairs: list[tuple[str, str]]) -> list[str]:
+    """arm minus reference arm, paired by seed, on every final-iteration metric (pairs scored under one cache)."""
+    metrics = ["compressed_score", "dense_score", "compressed_exact_match", "dense_exact_match"]
+    rows = ["| arm − reference | " + " | ".join(m.replace("_", " ") for m in metrics) + " |",
+            "|---|" + "---|" * len(metrics)]
+    head = dense_ref["headline"]
+    for arm, ref in pairs:
+        if arm not in head or ref not in head:
+            continue
+        cells = []
+        for m in metrics:
+            values = {int(k): v for k, v in head[arm][m]["values"].items()}
+            reference = {int(k): v for k, v in head[ref][m]["values"].items()}
+            stat = paired_stats(values, reference)
+            stat["differences"] = {str(k): v for k, v in stat["differences"].items()}  # as in seed-stats' JSON
+            cells.append(paired({"paired": stat}) if stat["n"] else "no common seed")
+        rows.append(f"| {arm} − {ref} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -94,10 +132,16 @@ def main() -> None:
     ap.add_argument("runs", type=Path)
     ap.add_argument("--stats-dense", type=Path, required=True)
     ap.add_argument("--stats-smd", type=Path, required=True)
+    ap.add_argument("--pairs", default="smd-l0.1@0.3:naive@0.3,smd-l0.1-h2o@0.5:naive-h2o@0.5,"
+                    "smd-l0.1-em@0.5:dense-em,smd-l0.8@0.5:smd-l0.1@0.5,smd-teacher_ema@0.5:smd-l0.1@0.5",
+                    help="arm:reference pairs, comma-separated, for the within-cache table")
     a = ap.parse_args()
     dense_ref = json.loads(a.stats_dense.read_text())
     smd_ref = json.loads(a.stats_smd.read_text())
-    print("\n".join(score_table(dense_ref, smd_ref)))
+    print("\n".join(score_table(a.runs, dense_ref, smd_ref)))
+    print()
+    pairs = [tuple(p.split(":")) for p in a.pairs.split(",") if p]
+    print("\n".join(pair_table(dense_ref, pairs)))
     print()
     print("\n".join(cost_table(a.runs)))
 
