@@ -54,8 +54,14 @@ def paired(stat: dict | None) -> str:
 def compressed_cache(runs_dir: Path, arm: str) -> str:
     """The cache an arm's compressed score is measured under, from its first run's params.yaml."""
     params = yaml.safe_load(next(runs_dir.glob(f"{arm}-s[0-9]")).joinpath("params.yaml").read_text())
-    ev = params["evaluate"].get("compressed_eviction") or params["rollout"]["eviction"]
-    return f"{ev['policy']} {ev['keep_ratio']}" if ev["policy"] != "dense" else "dense"
+    return cache_label(params["evaluate"].get("compressed_eviction") or params["rollout"]["eviction"])
+
+
+def cache_label(ev: dict) -> str:
+    if ev["policy"] == "dense":
+        return "dense"
+    once = ", once after the prefill" if ev.get("compress") == "prefill_only" else ""  # smd_released's simulated mask
+    return f"{ev['policy']} {ev['keep_ratio']}{once}"
 
 
 def score_table(runs_dir: Path, dense_ref: dict, smd_ref: dict) -> list[str]:
@@ -98,6 +104,39 @@ def pair_table(dense_ref: dict, pairs: list[tuple[str, str]]) -> list[str]:
     return rows
 
 
+def dense_cache_table(runs_dir: Path, dense_ref: dict, evals_dir: Path) -> list[str]:
+    """Each arm against the dense arm's final policy scored under the arm's own cache (`smdctl evaluate` of the
+    dense runs under that cache, in EVALS/dense-s<seed>-<cache>-iter<i>/), paired by seed."""
+    dense: dict[str, dict[int, dict[str, float]]] = {}
+    start: dict[str, float] = {}
+    for d in sorted(evals_dir.glob("dense-s*-iter*")):
+        cfg = json.loads((d / "details.json").read_text())["config"]["compressed_eviction"]
+        metrics = json.loads((d / "metrics.json").read_text())
+        label = cache_label(cfg)
+        seed, it = int(d.name.split("-")[1][1:]), int(d.name.rsplit("iter", 1)[1])
+        if it == 0:
+            start[label] = metrics["eval/compressed/score"]
+        else:
+            dense.setdefault(label, {})[seed] = metrics
+    rows = ["| arm | cache | dense arm under that cache: iteration 0; 8 per seed | arm − dense arm, compressed score | "
+            "compressed EM |", "|---|---|---|---|---|"]
+    for arm, head in dense_ref["headline"].items():
+        label = compressed_cache(runs_dir, arm)
+        if label not in dense:
+            continue
+        ref = dense[label]
+        cells = []
+        for m, key in (("compressed_score", "eval/compressed/score"),
+                       ("compressed_exact_match", "eval/compressed/exact_match")):
+            values = {int(k): v for k, v in head[m]["values"].items()}
+            stat = paired_stats(values, {s: ref[s][key] for s in ref})
+            stat["differences"] = {str(k): v for k, v in stat["differences"].items()}
+            cells.append(paired({"paired": stat}) if stat["n"] else "no common seed")
+        per_seed = ", ".join(f"{ref[s]['eval/compressed/score']:.3f}" for s in sorted(ref))
+        rows.append(f"| {arm} | {label} | {start.get(label, float('nan')):.3f}; {per_seed} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def run_cost(run: Path) -> tuple[str, str, str, str, str]:
     times = {int(m[1]): float(m[3]) for m in DONE.finditer((run / "chain.log").read_text())}
     plain = [t for i, t in times.items() if i % 2 == 1 and i > 1]  # iteration 1 pays DeepSpeed's first JIT build
@@ -135,6 +174,7 @@ def main() -> None:
     ap.add_argument("--pairs", default="smd-l0.1@0.3:naive@0.3,smd-l0.1-h2o@0.5:naive-h2o@0.5,"
                     "smd-l0.1-em@0.5:dense-em,smd-l0.8@0.5:smd-l0.1@0.5,smd-teacher_ema@0.5:smd-l0.1@0.5",
                     help="arm:reference pairs, comma-separated, for the within-cache table")
+    ap.add_argument("--dense-evals", type=Path, help="the dense arm's final policies scored under other caches")
     a = ap.parse_args()
     dense_ref = json.loads(a.stats_dense.read_text())
     smd_ref = json.loads(a.stats_smd.read_text())
@@ -143,6 +183,9 @@ def main() -> None:
     pairs = [tuple(p.split(":")) for p in a.pairs.split(",") if p]
     print("\n".join(pair_table(dense_ref, pairs)))
     print()
+    if a.dense_evals:
+        print("\n".join(dense_cache_table(a.runs, dense_ref, a.dense_evals)))
+        print()
     print("\n".join(cost_table(a.runs)))
 
 
