@@ -47,7 +47,9 @@ def paired(stat: dict | None) -> str:
     seeds = ", ".join(fmt(p["differences"][str(s)]) for s in p["seeds"])
     if p["n"] < 2:
         return f"{seeds} (s{p['seeds'][0]})"
-    sep = ", separated" if p["separated"] else ""
+    # equal differences in every seed give a zero-width interval that seed-stats calls separated; on a score in
+    # steps of 1/64 with 2-3 seeds that says nothing about the spread
+    sep = ", equal in every seed" if p["std"] == 0 else (", separated" if p["separated"] else "")
     return f"{seeds}; {fmt(p['mean'])} [{p['low']:.3f}, {p['high']:.3f}]{sep}".replace("-", "−")
 
 
