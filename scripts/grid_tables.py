@@ -10,7 +10,7 @@ prints two markdown tables:
   evaluation runs every 2 iterations), the learner's peak resident set at iteration 1 and its largest over the run
   (`learner/peak_rss_mb` of each iteration's learn details), and the largest parity |Δlogp| (`progress.json`).
 An arm's "compressed" score is under its own evaluation cache (`evaluate.compressed_eviction`, else its rollout's
-eviction: SnapKV 0.5 for most arms, SnapKV 0.3 or H2O 0.5 for the extended ones, SnapKV 0.5 for the dense arm), so a
+eviction, as its evaluation's details.json records it: SnapKV 0.5 for most arms, SnapKV 0.3 or H2O 0.5 for the extended ones, SnapKV 0.5 for the dense arm), so a
 paired difference is printed only between arms scored under the same cache; a third table pairs smd with naive
 within each cache (`--pairs`), through seed-stats' own `paired`.
 """
@@ -22,8 +22,6 @@ import json
 import re
 import statistics
 from pathlib import Path
-
-import yaml
 
 from stages.tools.seed_stats import paired as paired_stats
 
@@ -54,27 +52,34 @@ def paired(stat: dict | None) -> str:
 
 
 def compressed_cache(runs_dir: Path, arm: str) -> str:
-    """The cache an arm's compressed score is measured under, from its first run's params.yaml."""
-    params = yaml.safe_load(next(runs_dir.glob(f"{arm}-s[0-9]")).joinpath("params.yaml").read_text())
-    return cache_label(params["evaluate"].get("compressed_eviction") or params["rollout"]["eviction"])
+    """The cache an arm's compressed score is measured under: what its first run's iteration-0 evaluation ran."""
+    return evaluated_cache(next(runs_dir.glob(f"{arm}-s[0-9]")) / "artifacts" / "iter-000" / "evaluate")
 
 
-def cache_label(ev: dict) -> str:
+def evaluated_cache(evaluate_dir: Path) -> str:
+    """The compressed mode's cache as the evaluation recorded it (details.json's config, `eviction_for`'s result)."""
+    ev = json.loads((evaluate_dir / "details.json").read_text())["config"]["compressed_eviction"]
     if ev["policy"] == "dense":
         return "dense"
     once = ", once after the prefill" if ev.get("compress") == "prefill_only" else ""  # smd_released's simulated mask
     return f"{ev['policy']} {ev['keep_ratio']}{once}"
 
 
-def score_table(runs_dir: Path, dense_ref: dict, smd_ref: dict) -> list[str]:
+def paired_cell(values: dict[int, float], reference: dict[int, float]) -> str:
+    """values minus reference over their common seeds, through seed-stats' own `paired`, formatted as its JSON is."""
+    stat = paired_stats(values, reference)
+    stat["differences"] = {str(k): v for k, v in stat["differences"].items()}  # as in seed-stats' JSON
+    return paired({"paired": stat}) if stat["n"] else "no common seed"
+
+
+def score_table(dense_ref: dict, smd_ref: dict, caches: dict[str, str]) -> list[str]:
     rows = ["| arm | compressed cache | seeds | compressed score: per seed; mean [95% CI] | dense score | "
             "compressed EM | dense EM | Δ compressed to dense (paired) | Δ compressed to smd λ 0.1 (paired) |",
             "|---|---|---|---|---|---|---|---|---|"]
-    ref_cache = compressed_cache(runs_dir, "dense")
     for arm, head in dense_ref["headline"].items():
         comp = head["compressed_score"]
-        cache = compressed_cache(runs_dir, arm)
-        same = cache == ref_cache  # a difference across two caches is not a paired comparison
+        cache = caches[arm]
+        same = cache == caches["dense"]  # a difference across two caches is not a paired comparison
         per_seed = ", ".join(f"{v:.3f}" for v in comp["values"].values())
         seeds = ", ".join(comp["values"])
         smd_head = smd_ref["headline"].get(arm, {}).get("compressed_score")
@@ -99,22 +104,19 @@ def pair_table(dense_ref: dict, pairs: list[tuple[str, str]]) -> list[str]:
         for m in metrics:
             values = {int(k): v for k, v in head[arm][m]["values"].items()}
             reference = {int(k): v for k, v in head[ref][m]["values"].items()}
-            stat = paired_stats(values, reference)
-            stat["differences"] = {str(k): v for k, v in stat["differences"].items()}  # as in seed-stats' JSON
-            cells.append(paired({"paired": stat}) if stat["n"] else "no common seed")
+            cells.append(paired_cell(values, reference))
         rows.append(f"| {arm} − {ref} | " + " | ".join(cells) + " |")
     return rows
 
 
-def dense_cache_table(runs_dir: Path, dense_ref: dict, evals_dir: Path) -> list[str]:
+def dense_cache_table(dense_ref: dict, caches: dict[str, str], evals_dir: Path) -> list[str]:
     """Each arm against the dense arm's final policy scored under the arm's own cache (`smdctl evaluate` of the
     dense runs under that cache, in EVALS/dense-s<seed>-<cache>-iter<i>/), paired by seed."""
     dense: dict[str, dict[int, dict[str, float]]] = {}
     start: dict[str, float] = {}
     for d in sorted(evals_dir.glob("dense-s*-iter*")):
-        cfg = json.loads((d / "details.json").read_text())["config"]["compressed_eviction"]
         metrics = json.loads((d / "metrics.json").read_text())
-        label = cache_label(cfg)
+        label = evaluated_cache(d)
         seed, it = int(d.name.split("-")[1][1:]), int(d.name.rsplit("iter", 1)[1])
         if it == 0:
             start[label] = metrics["eval/compressed/score"]
@@ -123,7 +125,7 @@ def dense_cache_table(runs_dir: Path, dense_ref: dict, evals_dir: Path) -> list[
     rows = ["| arm | cache | dense arm under that cache: iteration 0; 8 per seed | arm − dense arm, compressed score | "
             "compressed EM |", "|---|---|---|---|---|"]
     for arm, head in dense_ref["headline"].items():
-        label = compressed_cache(runs_dir, arm)
+        label = caches[arm]
         if label not in dense:
             continue
         ref = dense[label]
@@ -131,9 +133,7 @@ def dense_cache_table(runs_dir: Path, dense_ref: dict, evals_dir: Path) -> list[
         for m, key in (("compressed_score", "eval/compressed/score"),
                        ("compressed_exact_match", "eval/compressed/exact_match")):
             values = {int(k): v for k, v in head[m]["values"].items()}
-            stat = paired_stats(values, {s: ref[s][key] for s in ref})
-            stat["differences"] = {str(k): v for k, v in stat["differences"].items()}
-            cells.append(paired({"paired": stat}) if stat["n"] else "no common seed")
+            cells.append(paired_cell(values, {s: ref[s][key] for s in ref}))
         per_seed = ", ".join(f"{ref[s]['eval/compressed/score']:.3f}" for s in sorted(ref))
         rows.append(f"| {arm} | {label} | {start.get(label, float('nan')):.3f}; {per_seed} | " + " | ".join(cells) + " |")
     return rows
@@ -180,13 +180,14 @@ def main() -> None:
     a = ap.parse_args()
     dense_ref = json.loads(a.stats_dense.read_text())
     smd_ref = json.loads(a.stats_smd.read_text())
-    print("\n".join(score_table(a.runs, dense_ref, smd_ref)))
+    caches = {arm: compressed_cache(a.runs, arm) for arm in dense_ref["headline"]}  # read once, used by two tables
+    print("\n".join(score_table(dense_ref, smd_ref, caches)))
     print()
     pairs = [tuple(p.split(":")) for p in a.pairs.split(",") if p]
     print("\n".join(pair_table(dense_ref, pairs)))
     print()
     if a.dense_evals:
-        print("\n".join(dense_cache_table(a.runs, dense_ref, a.dense_evals)))
+        print("\n".join(dense_cache_table(dense_ref, caches, a.dense_evals)))
         print()
     print("\n".join(cost_table(a.runs)))
 
