@@ -75,6 +75,11 @@ def budget(n: int, eviction: dict[str, Any], prompt_len: int | None = None) -> i
 
     With `compress: prefill_only` the budget after the prompt grows by one key per generated token:
     budget(P) + (n - P) for n > P = `prompt_len` (required then).
+
+    With `interval: k > 1` (amortized eviction, as R-KV and kvpress's DecodingPress) the cache is evicted down to
+    the every-step budget after the prompt and after every k-th decoding step, and grows by one key a step in
+    between: for n > P + 1, budget(a) + (n - a) with a = P + 1 + floor((n - P - 1) / k) * k, the token count
+    of the last eviction's next query (`prompt_len` required then). k = 1 is the every-step rule.
     """
     if eviction["policy"] == "dense":
         return n
@@ -83,10 +88,27 @@ def budget(n: int, eviction: dict[str, Any], prompt_len: int | None = None) -> i
             raise ValueError("budget(): compress=prefill_only needs the prompt length")
         if n > prompt_len:
             return budget(prompt_len, eviction, prompt_len) + (n - prompt_len)
+    interval = int(eviction.get("interval", 1) or 1)
+    if interval > 1:
+        if prompt_len is None:
+            raise ValueError("budget(): interval > 1 needs the prompt length")
+        if n > prompt_len + 1:
+            anchor = prompt_len + 1 + ((n - prompt_len - 1) // interval) * interval
+            return min(n, _every_step_budget(anchor, eviction) + (n - anchor))
+    return _every_step_budget(n, eviction)
+
+
+def _every_step_budget(n: int, eviction: dict[str, Any]) -> int:
     b = max(protected_tokens(eviction), math.ceil(float(eviction["keep_ratio"]) * n - 1e-9))
     if eviction.get("max_tokens") is not None:
         b = min(b, int(eviction["max_tokens"]))
     return min(n, b)
+
+
+def budget_needs_prompt_len(eviction: dict[str, Any]) -> bool:
+    """Whether `budget` depends on the prompt's length (prefill_only, or an eviction interval over 1)."""
+    return eviction["policy"] != "dense" and (eviction.get("compress", "every_step") == "prefill_only"
+                                              or int(eviction.get("interval", 1) or 1) > 1)
 
 
 def visibility(evict_at: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -30,7 +30,8 @@ class EvictionParams(BaseModel):
     (itself included). Prefill attends densely to the prompt; the cache is compressed right after it
     (SnapKV semantics) and, with `compress: every_step` (default), after every decoding step so the budget
     holds at every step; with `compress: prefill_only` (the SnapKV paper's setting) the compressed prompt
-    stays as it is and every generated key is kept: budget(n) = budget(P) + (n - P) for n > P.
+    stays as it is and every generated key is kept: budget(n) = budget(P) + (n - P) for n > P. With
+    `interval: k > 1` the decoding-time evictions run every k steps and the cache grows in between.
 
     Defaults follow each policy's reference (docs/design.md §5): SnapKV (Li et al. 2024, and its code
     FasterDecoding/SnapKV, as kvpress's SnapKVPress) scores the keys *before* the observation window by the
@@ -75,6 +76,16 @@ class EvictionParams(BaseModel):
         "every_step", description="every_step: evict after prefill and after every decoding step (the budget holds at "
         "every step); prefill_only: compress the prompt once (SnapKV's paper), keep every generated key.",
     )
+    interval: int = Field(
+        1, ge=1, description="Decoding steps between two evictions (compress every_step). 1: evict after every step, "
+        "so the budget holds at every step (the paper's rule). k > 1: the cache grows by one key a step and every "
+        "k-th step one scoring pass evicts down to the every-step budget (R-KV's buffer, kvpress's DecodingPress "
+        "`compression_interval`): a query sees at most budget(a) + (n - a) keys, a the token count of the last "
+        "eviction's next query (schemas.raw_masks.budget). The shadow mask records what each token saw, so the "
+        "learner replays it unchanged. SnapKV at k >= window scores with the last `window` queries recomputed "
+        "over the cache at the eviction (the same scores as its every-step ring, without the ring's "
+        "slots x window float64 state; docs/design.md §4).",
+    )
     seed: int = Field(0, ge=0, description="Seed of the `random` policy.")
     apply: bool = Field(
         True, description="Apply the eviction while sampling (true). false = simulate it: sample with the full cache "
@@ -99,6 +110,9 @@ class EvictionParams(BaseModel):
         if self.window_anchor != "prompt_end" and self.policy != "snapkv":
             raise ValueError(f"window_anchor {self.window_anchor} places SnapKV's observation window; policy "
                              f"{self.policy} has none (set window_anchor prompt_end)")
+        if self.interval > 1 and self.compress != "every_step":
+            raise ValueError(f"interval {self.interval} spaces the decoding-time evictions of compress every_step; "
+                             f"compress {self.compress} evicts at the prefill only (set interval 1)")
         if not self.apply and self.compress != "prefill_only":
             raise ValueError("apply false simulates the prefill's eviction decisions only: set compress "
                              "prefill_only (every_step's decisions depend on the compressed attention of each step)")
@@ -144,6 +158,16 @@ class RolloutParams(BaseModel):
         "because a shadow mask never restricts a prompt token's queries (docs/design.md, Shared prompts). Same "
         "tokens and masks as false (the per-sample reference) up to the float rounding of a smaller batch "
         "(tests/test_shared_prompt_rollout.py).",
+    )
+    prefill_chunk_tokens: int = Field(
+        2048, ge=0, description="The prefill's token budget (vLLM's chunked prefill, `max_num_batched_tokens`): "
+        "the prompts run layer by layer, each layer in chunks of at most this many query tokens and compressed "
+        "right after its last chunk, so the prefill holds the prompts' hidden states, one layer's uncompressed "
+        "keys and values, and one chunk's activations, instead of the whole batch's activations of every prompt "
+        "token (stages.common.kvcache.sampler.layerwise_prefill; Llama, Qwen2/3 and Mistral layouts, other "
+        "models prefill in one forward). SnapKV's window and H2O's column sums still see the whole prompt. Same "
+        "tokens and masks as 0 (one forward of the model), log-probs to float rounding "
+        "(tests/test_long_context_rollout.py). 0 = one forward. Engine hf only.",
     )
     shard_rows: int = Field(0, ge=0, description="Rows per raw-mask shard (0 = one shard).")
     eviction: EvictionParams = EvictionParams()

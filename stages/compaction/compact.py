@@ -23,7 +23,7 @@ from schemas.compacted_masks import RETENTION_STATS, narrowest_dtype, store_nbyt
 from schemas.errors import SmdInputError
 from schemas.metrics import write_metrics
 from schemas.params.compaction import CompactionParams
-from schemas.raw_masks import budget, read_raw_masks, visible_counts
+from schemas.raw_masks import budget, budget_needs_prompt_len, read_raw_masks, visible_counts
 from schemas.tables import check_binding, read_table, table_config, trajectories_binding
 
 HEADLINE = ("rows", "unique_columns", "ratio_vs_dense_bitmask", "ratio_vs_raw_int32", "tokens_per_s")
@@ -153,7 +153,7 @@ def validate_rows(
 
     lengths = np.diff(offsets)
     Tmax = int(lengths.max()) if len(lengths) else 0
-    per_prompt = eviction.get("compress", "every_step") == "prefill_only"  # the budget depends on P then
+    per_prompt = budget_needs_prompt_len(eviction)  # prefill_only or an eviction interval: the budget depends on P
     b = None if per_prompt else np.array([0] + [budget(n, eviction) for n in range(1, Tmax + 1)], dtype=np.int64)
     stats = _Stats(U)
     for r in range(len(lengths)):

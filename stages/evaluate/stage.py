@@ -86,7 +86,8 @@ def _decode_mode(model, tokenizer, prompts, batches: list[list[int]], eviction: 
         ids = [list(prompts[i]["prompt_token_ids"]) for i in batch]
         if engine is None:
             results, _ = generate_batch(model, ids, eviction, cfg.max_new_tokens, eos, pad, temperature=0.0,
-                                        window_tail=window_tail)
+                                        window_tail=window_tail,
+                                        prefill_chunk_tokens=params.rollout.prefill_chunk_tokens)
         else:
             results = engine.generate(ids, cfg.max_new_tokens, eos, temperature=0.0)
         texts = []

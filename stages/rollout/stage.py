@@ -223,7 +223,8 @@ def generate(model, tokenizer, prompts: list[dict[str, Any]], batches: list[list
                 results, _ = generate_batch(model, ids, cfg.eviction, cfg.max_new_tokens, eos, pad, cfg.temperature,
                                             generator, stop_check_every=cfg.stop_check_every,
                                             compile=cfg.compile, share_prompt=cfg.share_prompt,
-                                            window_tail=window_tail, sampler=cfg.sampler)
+                                            window_tail=window_tail, sampler=cfg.sampler,
+                                            prefill_chunk_tokens=cfg.prefill_chunk_tokens)
             else:
                 results = engine.generate(ids, cfg.max_new_tokens, eos, cfg.temperature,
                                           [request_seed(seed, iteration, row) for row, _ in rows])

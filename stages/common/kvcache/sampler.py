@@ -78,6 +78,18 @@ class RolloutState:
     decode_slots: int = 0
     group_rows: torch.Tensor | None = None
     group_index: torch.Tensor | None = None
+    # A policy that observes its last `window` queries at an eviction (`decode_observation` "window_queries"):
+    # each layer's last queries [B, Hq, window, D] (after RoPE), their positions [B, window] (-1 = none yet),
+    # and the entry the next step writes, a device tensor (a compiled step must not specialise on it).
+    # Chunked prefill (`rollout.prefill_chunk_tokens`, `layerwise_prefill`): the chunk a layer runs now, (first
+    # row, end row, first query, end query) of the prefill's rows, host ints; None = the whole prompt at once.
+    # `prefill_obs` accumulates the layer's observed attention over its chunks (H2O: column sums [rows, H, 1, P];
+    # SnapKV: its observation window's queries [rows, Hq, w, D]).
+    prefill_chunk: tuple[int, int, int, int] | None = None
+    prefill_obs: torch.Tensor | None = None
+    window_queries: list[torch.Tensor | None] = field(default_factory=list)
+    window_pos: torch.Tensor | None = None
+    window_entry: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -96,16 +108,21 @@ class RolloutState:
     def evicts_while_decoding(self) -> bool:
         return self.policy.evicts and self.eviction.get("compress", "every_step") == "every_step"
 
-    def prefill_mask(self, q_start: int, q_end: int, k_end: int) -> torch.Tensor:
+    @property
+    def decode_observation(self) -> str:
+        """What the policy observes while decoding ("none" when nothing is evicted then)."""
+        return self.policy.decode_observation() if self.evicts_while_decoding else "none"
+
+    def prefill_mask(self, q_start: int, q_end: int, k_end: int, rows: slice = slice(None)) -> torch.Tensor:
         """Bool mask [B or 1, 1, q_end - q_start, k_end] of prompt queries q_start..q_end over keys 0..k_end of
-        the left-padded rows the prefill forward runs (B, or the U distinct prompts when shared): causal,
-        padding keys hidden, padding queries see themselves (finite softmax)."""
+        the left-padded rows the prefill forward runs (B, or the U distinct prompts when shared; `rows` of them):
+        causal, padding keys hidden, padding queries see themselves (finite softmax)."""
         q = torch.arange(q_start, q_end, device=self.device)
         k = torch.arange(k_end, device=self.device)
         causal = k[None, :] <= q[:, None]
         if not self.padded:
             return causal[None, None]
-        real_key = k[None, :] >= self.prefill_pad[:, None]  # [B or U, K]
+        real_key = k[None, :] >= self.prefill_pad[rows, None]  # [B or U, K]
         mask = causal[None] & real_key[:, None, :]
         return (mask | (k[None, :] == q[:, None])[None])[:, None]
 
@@ -142,8 +159,20 @@ class EvictingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if st.phase == "prefill":
             # Attention runs over the full prompt; the kept keys are copied into the slots afterwards.
-            self.pending = (key_states, value_states)
-            return key_states, value_states
+            if st.prefill_chunk is None:
+                self.pending = (key_states, value_states)
+                return key_states, value_states
+            # A chunk of a layer-by-layer prefill: its keys join the layer's prompt keys, and its queries see
+            # every key of their rows up to the chunk's end.
+            r0, r1, q0, q1 = st.prefill_chunk
+            if r0 == 0 and q0 == 0:
+                rows, P = len(st.prefill_pad), st.seq_length
+                _, H, _, D = key_states.shape
+                self.pending = (key_states.new_empty(rows, H, P, D), value_states.new_empty(rows, H, P, D))
+            k, v = self.pending
+            k[r0:r1, :, q0:q1] = key_states
+            v[r0:r1, :, q0:q1] = value_states
+            return k[r0:r1, :, :q1], v[r0:r1, :, :q1]
         slots = st.slots[self.layer_idx]
         first = st.prompt_slots  # a row's own slots follow its prompt's (0 without shared prompts)
         free = slots.slot_pos[..., first:] < 0
@@ -257,15 +286,66 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
     copy of the slot positions and the policy's per-slot state). Random eviction draws per row: the whole prompt is
     stored once and each row's selection is its visibility over it. Where storing once would not save bytes
     (`shared_slot_counts`), each row stores its own copy of the kept slots, as without sharing."""
+    if st.prefill_chunk is not None:
+        return _prefill_chunk(st, layer, query, key, value, scaling, cache)
     out, attn_obs = _prefill_output(st, query, key, value, scaling)
-    rows, H, P = st.prefill_rows, key.shape[1], key.shape[2]
-    layer_cache = cache.layers[layer]
+    _select_and_store(st, layer, attn_obs, key.shape[1], key.shape[2], cache.layers[layer])
+    return out
+
+
+def _prefill_chunk(st: RolloutState, layer: int, query, key, value, scaling: float, cache: EvictingCache):
+    """One chunk of a layer-by-layer prefill (`layerwise_prefill`): the output of its queries (rows r0..r1,
+    positions q0..q1) over their rows' keys 0..q1, and what the policy observes of it; after the layer's last
+    chunk, the policy's selection over the whole prompt, as `_prefill_output` and `_select_and_store` do in one
+    pass. SnapKV's window queries are kept until then (the window attends to every prompt key); H2O's column
+    sums accumulate chunk by chunk (a key's sum gathers every later query)."""
+    r0, r1, q0, q1 = st.prefill_chunk
+    rows, P, H = len(st.prefill_pad), st.seq_length, key.shape[1]
+    need = st.policy.needs_attention
+    end = P - min(st.policy.window_tail, P)  # SnapKV's window ends here (window_anchor)
+    w = min(st.eviction["window"], end)
+    if r0 == 0 and q0 == 0:  # the layer's first chunk
+        if need == "all":
+            st.prefill_obs = query.new_zeros(rows, H, 1, P, dtype=torch.float32)
+        elif need == "window":
+            st.prefill_obs = query.new_zeros(rows, query.shape[1], w, query.shape[-1])
+    if need == "all":
+        out = torch.empty_like(query)
+        for start in range(q0, q1, _PREFILL_CHUNK):
+            stop = min(start + _PREFILL_CHUNK, q1)
+            part_out, part = _attend_grouped(query[:, :, start - q0: stop - q0], key[:, :, :stop],
+                                             value[:, :, :stop], st.prefill_mask(start, stop, stop, slice(r0, r1)),
+                                             scaling, H, sum_queries=True)
+            out[:, :, start - q0: stop - q0] = part_out
+            st.prefill_obs[r0:r1, ..., :stop] += part
+    elif q0 == 0 and not st.padded:  # queries and keys both start at 0: SDPA's causal kernel
+        out = sdpa_gqa(query, key, value, scaling, causal=True)
+    else:
+        out = sdpa_gqa(query, key, value, scaling, mask=st.prefill_mask(q0, q1, q1, slice(r0, r1)))
+    if need == "window" and max(q0, end - w) < min(q1, end):
+        a, b = max(q0, end - w), min(q1, end)
+        st.prefill_obs[r0:r1, :, a - (end - w): b - (end - w)] = query[:, :, a - q0: b - q0]
+    if r1 == rows and q1 == P:  # the layer's last chunk: select over the whole prompt
+        keys, values = cache.layers[layer].pending
+        attn_obs = st.prefill_obs
+        if need == "window":
+            attn_obs = _attend_grouped(st.prefill_obs, keys, None, st.prefill_mask(end - w, end, P), scaling, H)[1]
+        st.prefill_obs = None
+        _select_and_store(st, layer, attn_obs, H, P, cache.layers[layer])
+    return out
+
+
+def _select_and_store(st: RolloutState, layer: int, attn_obs: torch.Tensor | None, H: int, P: int,
+                      layer_cache: EvictingLayer) -> None:
+    """The policy's prefill selection over the layer's prompt keys (`layer_cache.pending`), and the kept keys into
+    the layer's slots (or, shared, stored once per distinct prompt)."""
+    rows = st.prefill_rows
     if rows is None:
         slots = _select_prompt_slots(st, layer, _prompt_slots(st.prompt_pad, H, P), attn_obs, st.step_keep,
                                      st.step_window, st.prompt_lens, st.evict_at[layer])
         st.slots[layer], order = _front_slots(slots, st.capacity)
         layer_cache.finish_prefill(order)
-        return out
+        return
     if st.policy.prefill_per_row:
         if attn_obs is not None:
             attn_obs = attn_obs.index_select(0, rows)
@@ -277,7 +357,7 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
         else:
             st.slots[layer], order = _front_slots(slots, st.capacity)
             layer_cache.finish_prefill(order, rows)
-        return out
+        return
     first = st.prefill_first
     evict_at = st.evict_at.new_full((len(first), *st.evict_at.shape[2:]), -1)
     slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad, H, P), attn_obs,
@@ -292,7 +372,6 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
         slots, order = _front_slots(slots, st.capacity)
         st.slots[layer] = rows_of(slots, rows)
         layer_cache.finish_prefill(order, rows)
-    return out
 
 
 def _select_prompt_slots(st: RolloutState, layer: int, slots: LayerSlots, attn_obs: torch.Tensor | None,
@@ -432,27 +511,61 @@ def sdpa_gqa(query, key, value, scaling: float, mask: torch.Tensor | None = None
 
 
 def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: float, cache: EvictingCache):
-    """One query per sequence over the layer's slots (the new key already inserted); then evict down to the
-    step's keep count. Returns the attention output [B, Hq, 1, D]."""
+    """One query per sequence over the layer's slots (the new key already inserted); then, at a step that evicts,
+    evict down to the step's keep count. Returns the attention output [B, Hq, 1, D]."""
     slots = st.slots[layer]
     H = key.shape[1]
     valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
+    observe = st.decode_observation
     if st.shares_storage:
         lay = cache.layers[layer]
         out, probs = attend_shared_prompt(query, lay.prompt_keys, lay.prompt_values, key, value, valid, scaling,
                                           st.group_rows, st.group_index)
-        if st.policy.needs_attention != "none" and st.evicts_while_decoding:
+        if observe == "every_step":
             st.policy.observe_decode(layer, slots, probs)
-    elif st.policy.needs_attention != "none" and st.evicts_while_decoding:
+    elif observe == "every_step":
         out, probs = _attend_grouped(query, key, value, valid, scaling, H)
         st.policy.observe_decode(layer, slots, probs)
     else:
         out = sdpa_gqa(query, key, value, scaling, mask=valid)
+    if observe == "window_queries":
+        if st.window_queries[layer] is None:
+            B, Hq, _, D = query.shape
+            st.window_queries[layer] = query.new_zeros(B, Hq, st.window_pos.shape[1], D)
+        st.window_queries[layer].index_copy_(2, st.window_entry, query)
     if st.step_excess > 0:
+        if observe == "window_queries":
+            lay = cache.layers[layer]
+            st.policy.observe_window(layer, slots, window_attention(st, layer, lay, key, scaling))
         sc = st.policy.scores(layer, slots)
         evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.step_window,
               st.evict_at[layer], at_most_one=st.step_excess <= 1)
     return out
+
+
+def window_attention(st: RolloutState, layer: int, lay: EvictingLayer, keys: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """The attention the layer's last `window` queries pay to each of its slots, recomputed over the cache as it is
+    now, each query over the keys cached before it (slot position <= its own; none before the first decoded query
+    fills its entry): [B, H, C] float32, summed over the queries and each GQA group. With shared prompts the
+    prompt's slots come first, as in `attend_shared_prompt`."""
+    slots = st.slots[layer]
+    q = st.window_queries[layer]  # [B, Hq, w, D]
+    B, Hq, w, D = q.shape
+    H = keys.shape[1]
+    g = Hq // H
+    qg = q.reshape(B, H, g * w, D)  # a KV head's query heads, each with its w queries
+    own = torch.matmul(qg, keys.transpose(-1, -2))
+    if st.shares_storage:
+        prompt = _from_groups(torch.matmul(_to_groups(qg, st.group_rows), lay.prompt_keys.transpose(-1, -2)),
+                              st.group_index, g * w)
+        own = torch.cat([prompt, own], dim=-1)
+    scores = own.float().mul_(scaling).view(B, H, g, w, -1)
+    pos = slots.slot_pos.unsqueeze(2)  # [B, H, 1, C]
+    seen = (pos >= 0) & (pos <= st.window_pos.view(B, 1, w, 1))  # [B, H, w, C]
+    scores.masked_fill_(~seen.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an entry not filled yet sees nothing: no weight
+    return probs.sum(dim=(2, 3))
 
 
 def _to_groups(x: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
@@ -588,6 +701,7 @@ def generate_batch(
     share_prompt: bool = True,
     window_tail: int = 0,
     sampler: str = "multinomial",
+    prefill_chunk_tokens: int = 0,
 ) -> tuple[list[SampleResult], BatchStats]:
     """Sample one response per prompt with the evicting cache; return tokens, log-probs and shadow masks.
 
@@ -598,18 +712,19 @@ def generate_batch(
     prefill each distinct prompt once (`prefill`; rollout.share_prompt); false runs every row's own prefill,
     the reference. `window_tail`: tokens every prompt ends with after SnapKV's observation window
     (`observation_window_tail`; 0 = the window ends the prompt). `sampler`: rollout.sampler (`_sample`).
+    `prefill_chunk_tokens`: rollout.prefill_chunk_tokens (`layerwise_prefill`; 0 = one forward of the model).
     """
     simulated = None
     if not eviction.apply:  # rollout.eviction.apply false: the prefill's decisions, recorded but not applied
         simulated = simulated_prefill_evictions(model, prompts, eviction, max_new_tokens, pad_token_id, share_prompt,
-                                                window_tail)
+                                                window_tail, prefill_chunk_tokens)
         eviction = eviction.model_copy(update={"policy": "dense", "apply": True})
     state = new_state(model, prompts, eviction, max_new_tokens, window_tail)
     cache = EvictingCache(state)
     kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
     generator = _on_device(generator, state.device)
     with attention_implementation(model, ROLLOUT_ATTENTION):
-        logits = prefill(model, prompts, state, cache, pad_token_id, kwargs, share_prompt)
+        logits = prefill(model, prompts, state, cache, pad_token_id, kwargs, share_prompt, prefill_chunk_tokens)
         step = compiled_decode_step(model) if compile else _decode_step
         tokens, logprobs, lengths, stopped = decode(model, logits, state, cache, kwargs, max_new_tokens,
                                                     eos_token_id, pad_token_id, temperature,
@@ -622,7 +737,8 @@ def generate_batch(
 
 
 def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int,
-                                pad_token_id: int, share_prompt: bool = True, window_tail: int = 0) -> torch.Tensor:
+                                pad_token_id: int, share_prompt: bool = True, window_tail: int = 0,
+                                prefill_chunk_tokens: int = 0) -> torch.Tensor:
     """`rollout.eviction.apply: false`: the evict_at [L, B, H, P + max_new_tokens] the policy records at the prefill
     of these prompts (compress prefill_only: a compressed rollout's only decisions, which depend on the prompts
     alone), from one prefill of the evicting engine whose cache is then dropped; the caller samples densely."""
@@ -632,7 +748,7 @@ def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: Evict
     cache = EvictingCache(state)
     with attention_implementation(model, ROLLOUT_ATTENTION):
         prefill(model, prompts, state, cache, pad_token_id, {"smd_rollout_state": state, "smd_rollout_cache": cache},
-                share_prompt)
+                share_prompt, prefill_chunk_tokens)
     return state.evict_at
 
 
@@ -669,6 +785,7 @@ def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new
         prompt_lens_host=lens,
         evict_at=torch.full((num_layers, len(prompts), num_kv, T_max), -1, dtype=torch.int32, device=device),
         slots=[None] * num_layers,
+        window_queries=[None] * num_layers,
     )
 
 
@@ -714,13 +831,15 @@ def shared_slot_counts(prompt_len: int, schedule: BudgetSchedule, selects_per_pr
 
 
 def prefill(model, prompts: list[list[int]], state: RolloutState, cache: EvictingCache, pad_token_id: int,
-            kwargs: dict[str, Any], share_prompt: bool = True) -> torch.Tensor:
+            kwargs: dict[str, Any], share_prompt: bool = True, prefill_chunk_tokens: int = 0) -> torch.Tensor:
     """Run the left-padded prompts (dense causal attention, then the first eviction); return the logits
     [B, 1, V] of the first response token.
 
     `share_prompt`: the model's forward runs on the distinct prompts only (`distinct_prompts`); the policy's
     selection, the slots and the first-token logits are then expanded to every row (`prefill_attention`).
-    Every row's results are those of its own prefill, up to the float rounding of a batch of another size."""
+    Every row's results are those of its own prefill, up to the float rounding of a batch of another size.
+    `prefill_chunk_tokens` > 0: the prefill runs layer by layer in chunks of that many tokens (`layerwise_prefill`)
+    where the model's family allows (`supports_layerwise_prefill`), else as one forward."""
     lens = [len(p) for p in prompts]
     P = max(lens)
     device = state.device
@@ -748,10 +867,65 @@ def prefill(model, prompts: list[list[int]], state: RolloutState, cache: Evictin
     state.step_keep = torch.from_numpy(state.schedule.prefill_keep).to(device)
     state.step_window = state.policy.recent_window(state.step_keep)
     pos = torch.arange(P, device=device).unsqueeze(0) - state.prefill_pad.unsqueeze(1)
-    out = model(input_ids=torch.from_numpy(ids).to(device), position_ids=pos.clamp(min=0), past_key_values=cache,
-                use_cache=True, logits_to_keep=1, **kwargs)
+    input_ids = torch.from_numpy(ids).to(device)
+    if prefill_chunk_tokens > 0 and supports_layerwise_prefill(model):
+        logits = layerwise_prefill(model, input_ids, pos.clamp(min=0), state, cache, kwargs, prefill_chunk_tokens)
+    else:
+        logits = model(input_ids=input_ids, position_ids=pos.clamp(min=0), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1, **kwargs).logits
     state.phase = "decode"
-    return out.logits.index_select(0, state.prefill_rows) if shared else out.logits
+    return logits.index_select(0, state.prefill_rows) if shared else logits
+
+
+# Decoder-only families whose forward is embed -> rotary -> layers -> norm -> lm_head with nothing between (no
+# embedding scale, no logit soft-capping): `layerwise_prefill` runs their layers itself.
+LAYERWISE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def supports_layerwise_prefill(model) -> bool:
+    """Whether `layerwise_prefill` can run this model's layers (else the prefill is one forward of the model)."""
+    base = getattr(model, "model", None)
+    return (getattr(model.config, "model_type", None) in LAYERWISE_MODEL_TYPES and hasattr(model, "lm_head")
+            and all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")))
+
+
+def prefill_chunks(rows: int, length: int, chunk_tokens: int) -> list[tuple[int, int, int, int]]:
+    """A layer's prefill work in chunks of at most `chunk_tokens` query tokens (or one row's whole prompt when a
+    token is all it takes): (first row, end row, first query, end query). Prompts shorter than the budget go
+    several rows at a time; a longer prompt goes one row at a time, in query chunks, each over its row's keys so
+    far (vLLM's chunked prefill, `max_num_batched_tokens`)."""
+    if length >= chunk_tokens:
+        return [(r, r + 1, q, min(q + chunk_tokens, length)) for r in range(rows)
+                for q in range(0, length, chunk_tokens)]
+    per = max(1, chunk_tokens // max(length, 1))
+    return [(r, min(r + per, rows), 0, length) for r in range(0, rows, per)]
+
+
+def layerwise_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, state: RolloutState,
+                      cache: EvictingCache, kwargs: dict[str, Any], chunk_tokens: int) -> torch.Tensor:
+    """The prefill layer by layer, each layer in chunks of at most `chunk_tokens` query tokens (`prefill_chunks`),
+    each layer compressed right after its last chunk: returns the logits [rows, 1, V] of the first response token.
+
+    What the prefill holds at once is the prompts' hidden states, one layer's uncompressed keys and values
+    (the next layer's start after this one's were compressed into its slots), and one chunk's activations
+    (attention and the MLP's intermediate): bounded by the chunk instead of the batch's prompt tokens. SnapKV's
+    observation window still attends to the whole prompt and H2O's column sums still gather every query
+    (`_prefill_chunk`). The same layers, positions and masks as the model's forward: equal to it up to float
+    rounding (tests/test_long_context_rollout.py)."""
+    base = model.model
+    hidden = base.embed_tokens(input_ids)
+    cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
+    rows, P = input_ids.shape
+    plan = prefill_chunks(rows, P, chunk_tokens)
+    for layer in base.layers[: model.config.num_hidden_layers]:
+        for r0, r1, q0, q1 in plan:
+            state.prefill_chunk = (r0, r1, q0, q1)
+            hidden[r0:r1, q0:q1] = layer(hidden[r0:r1, q0:q1], attention_mask=None,
+                                         position_ids=position_ids[r0:r1, q0:q1], past_key_values=cache,
+                                         use_cache=True, position_embeddings=(cos[r0:r1, q0:q1], sin[r0:r1, q0:q1]),
+                                         **kwargs)
+    state.prefill_chunk = None
+    return model.lm_head(base.norm(hidden[:, -1:]))
 
 
 def _decode_step(model, feed: torch.Tensor, position_ids: torch.Tensor, cache: EvictingCache,
@@ -803,6 +977,11 @@ def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCach
     step_keep = torch.from_numpy(schedule.step_keep).to(device)  # [S, B], one copy per batch
     step_window = state.policy.recent_window(step_keep)
     P = state.seq_length
+    windowed = state.decode_observation == "window_queries"
+    if windowed:
+        w = int(state.eviction["window"])
+        state.window_pos = torch.full((B, w), -1, dtype=lens.dtype, device=device)
+        state.window_entry = torch.zeros((1,), dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         tok, lp = _sample(logits[:, -1], temperature, generator, sampler)
         tokens[:, step] = tok
@@ -817,7 +996,11 @@ def decode(model, logits: torch.Tensor, state: RolloutState, cache: EvictingCach
         state.step_keep, state.step_window = step_keep[step], step_window[step]
         state.step_excess = schedule.step_excess[step]
         feed = torch.where(alive, tok, torch.full_like(tok, pad_token_id))
+        if windowed:
+            state.window_pos.index_copy_(1, state.window_entry, state.current_pos[:, None])
         logits = step_fn(model, feed[:, None], state.current_pos[:, None], cache, kwargs)
+        if windowed:
+            state.window_entry.add_(1).remainder_(state.window_pos.shape[1])
     return tokens, logprobs, lengths, ~alive  # a sequence stops only at EOS
 
 

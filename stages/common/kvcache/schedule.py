@@ -21,7 +21,7 @@ def budget_array(n: np.ndarray, eviction: dict[str, Any], prompt_len: np.ndarray
     """`schemas.raw_masks.budget` elementwise: the most keys a layer/head may hold once n tokens entered the cache.
 
     The same float64 arithmetic as the scalar rule (ceil(keep_ratio * n - 1e-9)), so the two agree exactly
-    (tests/test_engine_device.py checks every n up to a few thousand against it).
+    (tests/test_engine_device.py checks every n up to a few thousand against it), `interval` included.
     """
     n = np.asarray(n, dtype=np.int64)
     prompt_len = np.broadcast_to(np.asarray(prompt_len, dtype=np.int64), n.shape)
@@ -31,6 +31,11 @@ def budget_array(n: np.ndarray, eviction: dict[str, Any], prompt_len: np.ndarray
         after = n > prompt_len
         at_prompt = _compressed_budget(prompt_len, eviction)
         return np.where(after, at_prompt + (n - prompt_len), _compressed_budget(n, eviction))
+    interval = int(eviction.get("interval", 1) or 1)
+    if interval > 1:  # evicted after the prompt and every `interval` steps, one key a step in between
+        decoding = n > prompt_len + 1
+        anchor = np.where(decoding, prompt_len + 1 + ((n - prompt_len - 1) // interval) * interval, n)
+        return np.minimum(n, _compressed_budget(anchor, eviction) + (n - anchor))
     return _compressed_budget(n, eviction)
 
 
@@ -50,7 +55,8 @@ class BudgetSchedule:
     step_keep [S, B]: keys kept after decoding step s (S = max_new_tokens - 1 steps feed a token).
     step_excess [S]: most keys any sequence is over its keep count at step s, before eviction (0: nothing to
     evict that step, 1: at most one victim per layer/head, the fast path of `evict`).
-    capacity: physical slots per (sequence, KV head), the budget at the longest length.
+    capacity: physical slots per (sequence, KV head), the largest budget any query of the batch has (the budget at
+    the longest length when it only grows; with `interval` k > 1 the cache's size just before an eviction).
     """
 
     prefill_keep: np.ndarray
@@ -81,5 +87,10 @@ def budget_schedule(prompt_lens: np.ndarray, max_new_tokens: int, eviction: dict
             cached = np.minimum(cached, step_keep[s])
         else:
             excess.append(0)
-    capacity = int(np.max(budget_array(lens + max_new_tokens, eviction, lens)))
+    if int(eviction.get("interval", 1) or 1) > 1 and eviction.get("compress", "every_step") == "every_step":
+        # A sawtooth: the largest budget may come before the last step (just before an eviction).
+        every_n = lens[None, :] + np.arange(1, max_new_tokens + 1, dtype=np.int64)[:, None]
+        capacity = int(np.max(budget_array(every_n, eviction, lens[None, :])))
+    else:
+        capacity = int(np.max(budget_array(lens + max_new_tokens, eviction, lens)))
     return BudgetSchedule(prefill_keep=prefill_keep, step_keep=step_keep, step_excess=excess, capacity=capacity)

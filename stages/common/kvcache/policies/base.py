@@ -71,6 +71,17 @@ class EvictionPolicy:
     def observe_decode(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None) -> None:
         """attn: [B, H_kv, 1, S] for the token just decoded (None if not needed)."""
 
+    def decode_observation(self) -> str:
+        """What a decoding step hands this policy: "none" (scores from positions or draws), "every_step" (each
+        step's attention, `observe_decode`) or "window_queries" (the engine keeps the last `window` queries and,
+        at a step that evicts, hands their attention over the cache to `observe_window`)."""
+        return "none" if self.needs_attention == "none" else "every_step"
+
+    def observe_window(self, layer: int, slots: LayerSlots, attn: torch.Tensor) -> None:
+        """attn [B, H_kv, S] float: the attention the last `window` decoded queries pay to each slot, summed over
+        the queries and each GQA group (`decode_observation` "window_queries")."""
+        raise NotImplementedError
+
     def on_insert(self, layer: int, slots: LayerSlots, batch_idx: torch.Tensor, head_idx: torch.Tensor,
                   slot_idx: torch.Tensor) -> None:
         """A new key was written into (batch, head, slot); reset that slot's per-slot state."""

@@ -16,6 +16,14 @@ kept. The prompt's observation-window keys enter the ring with the row's highest
 kvpress pads them, until `window` decoding steps have replaced that entry. `compress: prefill_only` is
 the paper's original setting (compress once, keep every generated key).
 
+With an eviction `interval` k >= `window` (amortized decode-time eviction, as kvpress's DecodingPress runs a
+scorer press every `compression_interval` steps on the buffered last queries) no ring is kept: the engine
+buffers the last `window` queries and, at a step that evicts, recomputes their attention over the cache
+(causally: a query sees only keys cached before it). Between two evictions k >= window steps apart nothing
+was evicted, so each buffered query's recomputed attention is the one it paid when it ran, and the scores are
+exactly the ring's (tests/test_long_context_rollout.py), while the ring's slots x window float64 state, half a
+bf16 cache's bytes at window 16, is never allocated.
+
 `window_anchor: user_end` (smd's option, issue 42) moves the observation window before the chat template's
 closing tokens (`window_tail` of them: ChatML's `<|im_end|>\n<|im_start|>assistant\n`), so its queries are the
 end of the user's message rather than the template's fixed text; the closing tokens are kept as the window is.
@@ -62,12 +70,24 @@ class SnapKVPolicy(EvictionPolicy):
     def __init__(self, cfg, num_layers):
         super().__init__(cfg, num_layers)
         self.ring_next: list[torch.Tensor | None] = [None] * num_layers
+        # interval >= window: the buffered window's recomputed attention replaces the ring (module docstring)
+        self.recomputes_window = cfg.compress == "every_step" and cfg.interval >= cfg.window
+        self.window_scores: list[torch.Tensor | None] = [None] * num_layers
+
+    def decode_observation(self) -> str:
+        return "window_queries" if self.recomputes_window else "every_step"
+
+    def observe_window(self, layer, slots, attn):
+        self.window_scores[layer] = attn.to(torch.float64)
 
     def observe_prefill(self, layer, slots, attn):
         # attn: [B, H, w, P] for the last w prompt queries (positions in order here).
         cfg = self.cfg
         pooled = pooled_window_scores(attn, cfg.window, cfg.pooling, cfg.pooling_kernel, cfg.snapkv_pool_scope,
                                       self.window_tail)
+        if self.recomputes_window:  # the prefill's scores serve its own eviction only
+            self.window_scores[layer] = pooled
+            return
         B, H, P = pooled.shape
         ring = torch.zeros(B, H, P, cfg.window, dtype=torch.float64, device=pooled.device)
         ring[..., 0] = pooled  # the prefill window's pooled score occupies one ring entry
@@ -82,6 +102,8 @@ class SnapKVPolicy(EvictionPolicy):
         entry.add_(1).remainder_(self.cfg.window)
 
     def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
+        if self.recomputes_window:
+            return self.window_scores[layer]
         return slots.extra["ring"].sum(dim=-1)
 
     def recent_window(self, keep: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,284 @@
+"""`smdctl bench rollout --model DIR --long`: the rollout at long context (issue 54), measured, not computed.
+
+Per case (prompt tokens x new tokens) and engine, one run in a fresh process of its own (so one engine's
+allocations never count in another's peak): tokens/s, decode tokens/s, and the **measured peak memory per
+sequence**: the process's peak over the timed run (VmHWM, reset after an untimed warm-up; on a GPU,
+`torch.cuda.max_memory_allocated`) minus what it held with the model loaded and warmed up, over the batch. Then,
+per engine, **the largest batch that fits a memory budget, found by running it**: batches double from 1 while a
+run's measured peak beyond the model stays within the budget, then a bisection between the last batch that fit
+and the first that did not; every probe is a whole run of the case.
+
+Engines:
+- `smd-dense`: smd's engine with the dense policy (the shadow-mask engine's own dense path);
+- `smd-snapkv`: SnapKV at `--keep-ratio`, evicting after every decoding step (the paper's rule, `interval` 1);
+- `smd-snapkv-k`: SnapKV with `rollout.eviction.interval` = `--interval` (evict every k steps down to the budget);
+- `generate`: transformers `generate`, dense, the model's own attention (the field's anchor);
+- `vllm`: vLLM dense, as users run it (its CPU build here), its KV cache sized for exactly the batch.
+The smd engines prefill in chunks of `--prefill-chunk-tokens` (rollout.prefill_chunk_tokens; 0 = one forward).
+Same threads for every engine (`--threads`, each worker `torch.set_num_threads`), pinned to the caller's CPU
+affinity; random prompts (seeded by length), temperature 1, EOS ignored, exactly `new` tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from schemas.errors import SmdInputError
+
+LONG_CASES: tuple[tuple[int, int], ...] = ((2048, 512), (4096, 1024), (6144, 2048), (1024, 4096))
+LONG_ENGINES: tuple[str, ...] = ("smd-dense", "smd-snapkv", "smd-snapkv-k", "generate", "vllm")
+WARMUP_PROMPT, WARMUP_NEW = 32, 4
+
+
+def parse_cases(text: str | None) -> list[tuple[int, int]]:
+    """`--cases 2048x512,4096x1024` -> [(2048, 512), (4096, 1024)]; None: `LONG_CASES`."""
+    if not text:
+        return list(LONG_CASES)
+    cases = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        p, _, n = part.partition("x")
+        if not (p.isdigit() and n.isdigit() and int(p) > 0 and int(n) > 0):
+            raise SmdInputError(f"--cases: {part!r} is not PROMPTxNEW (e.g. 4096x1024)")
+        cases.append((int(p), int(n)))
+    return cases
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def _held_mib(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return _status_mib("VmRSS")
+
+
+def _peak_mib(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return _status_mib("VmHWM")
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine, one case, one batch, in this process: an untimed warm-up, then the timed run (see the module
+    docstring). Returns tokens, seconds, prefill seconds (a 1-token run after it), held and peak MiB."""
+    import torch
+
+    from schemas.params.rollout import EvictionParams
+    from stages.bench.rollout import hf_generate
+    from stages.common.kvcache.sampler import generate_batch
+    from stages.common.model import load_policy, place_model, resolve_device
+
+    torch.set_num_threads(int(spec["threads"]))
+    engine, B, P, N = spec["engine"], int(spec["batch"]), int(spec["prompt"]), int(spec["new"])
+    device = resolve_device(spec.get("device", "auto"))
+    g = torch.Generator(device="cpu").manual_seed(P)
+    model_dir = Path(spec["model"])
+
+    if engine == "vllm":
+        from stages.common import vllm_sampler
+
+        held_before = _held_mib(device)
+        llm = vllm_sampler.VllmEngine(model_dir, spec.get("dtype", "float32"), P + N + 1, B)
+        weights = _weights_mib(model_dir)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+        def run(prompts, new):
+            llm.llm.reset_prefix_cache()
+            out = llm.generate(prompts, new, None, 1.0, list(range(len(prompts))))
+            return sum(len(r.response_ids) for r in out)
+        held = held_before + weights  # the model only: vLLM's cache, sized for the batch, counts as the run's
+    else:
+        model = place_model(load_policy(model_dir, spec.get("dtype", "float32")).eval(), device)
+        vocab = model.config.vocab_size
+
+        if engine == "generate":
+            def run(prompts, new):
+                return hf_generate(model, prompts, new, len(prompts))
+        else:
+            policy = "dense" if engine == "smd-dense" else "snapkv"
+            interval = int(spec["interval"]) if engine == "smd-snapkv-k" else 1
+            ev = EvictionParams(policy=policy, keep_ratio=float(spec["keep_ratio"]), interval=interval)
+
+            def run(prompts, new):
+                _, stats = generate_batch(model, prompts, ev, new, eos_token_id=None,
+                                          generator=torch.Generator(device="cpu").manual_seed(0),
+                                          prefill_chunk_tokens=int(spec["prefill_chunk_tokens"]))
+                return stats.generated_tokens
+        run([torch.randint(4, vocab, (WARMUP_PROMPT,), generator=g).tolist()], WARMUP_NEW)  # untimed warm-up
+        held = _held_mib(device)
+    prompts = [torch.randint(4, vocab, (P,), generator=g).tolist() for _ in range(B)]
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    made = run(prompts, N)
+    seconds = time.perf_counter() - t0
+    peak = _peak_mib(device)
+    prefill_s = float("nan")
+    if spec.get("prefill_run", True):
+        t0 = time.perf_counter()
+        run(prompts, 1)
+        prefill_s = time.perf_counter() - t0
+    return {"engine": engine, "batch": B, "prompt": P, "new": N, "tokens": made, "seconds": seconds,
+            "prefill_s": prefill_s, "held_mib": held, "peak_mib": peak}
+
+
+def _weights_mib(model_dir: Path) -> float:
+    """Bytes of the model's float32 weights, from its safetensors headers (what vLLM loads)."""
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in t["shape"]:
+                    count *= d
+                total += count * 4
+    return total / 2**20
+
+
+def run_isolated(spec: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any] | None:
+    """`run_worker` in a fresh Python process; None when it died (out of memory) or ran past `timeout_s`."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "stages.bench.rollout_long", json.dumps(spec)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s,
+                              cwd=Path(__file__).resolve().parents[2])
+    except subprocess.TimeoutExpired:
+        return None
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return None
+    return json.loads(lines[-1])
+
+
+def largest_batch_by_running(spec: dict[str, Any], budget_mib: float, max_batch: int = 256,
+                             timeout_s: float | None = None) -> tuple[int, dict[str, Any] | None]:
+    """The largest batch whose run stays within `budget_mib` beyond the model (measured peak - held), by doubling
+    from 1 and then bisecting; (0, None) when not even one sequence fits. Returns the batch and its run."""
+    def fits(b: int) -> dict[str, Any] | None:
+        r = run_isolated({**spec, "batch": b, "prefill_run": False}, timeout_s)
+        return r if r is not None and r["peak_mib"] - r["held_mib"] <= budget_mib else None
+
+    best_b, best = 0, None
+    b = 1
+    while b <= max_batch:
+        r = fits(b)
+        if r is None:
+            break
+        best_b, best = b, r
+        b *= 2
+    lo, hi = best_b, min(b, max_batch + 1)  # lo fits (or is 0), hi does not (or is past the cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = fits(mid)
+        if r is None:
+            hi = mid
+        else:
+            lo, best_b, best = mid, mid, r
+    return best_b, best
+
+
+def _ratio(row: dict, rows: dict[str, dict], anchor: str, key: str) -> float:
+    """row[key] over the anchor engine's (nan when the anchor did not run or has 0)."""
+    return row[key] / rows[anchor][key] if anchor in rows and rows[anchor][key] else float("nan")
+
+
+def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | None = None, batch_size: int = 8,
+                       keep_ratio: float = 0.5, interval: int = 64, prefill_chunk_tokens: int = 2048,
+                       engines: list[str] | None = None, threads: int = 1, budget_mib: float | None = None,
+                       budget_case: tuple[int, int] | None = None, device: str = "auto", dtype: str = "float32",
+                       timeout_s: float | None = None, print_fn=print) -> list[dict]:
+    """Print the long-context table (and, with `budget_mib`, the largest-batch table at `budget_case`, default the
+    first case); return the rows (module docstring)."""
+    from stages.common import vllm_sampler
+
+    names = list(engines or LONG_ENGINES)
+    for e in names:
+        if e not in LONG_ENGINES:
+            raise SmdInputError(f"--engines: {e!r}; with --long choose from {', '.join(LONG_ENGINES)}")
+    if "vllm" in names and not vllm_sampler.available():
+        print_fn(f"vLLM is not installed: its column is left out ({vllm_sampler.INSTALL_HINT})")
+        names.remove("vllm")
+    cases = cases or list(LONG_CASES)
+    base = {"model": str(model_dir), "threads": threads, "keep_ratio": keep_ratio, "interval": interval,
+            "prefill_chunk_tokens": prefill_chunk_tokens, "device": device, "dtype": dtype}
+    print_fn(f"{model_dir}, {dtype}, {threads} thread(s) per engine, each run its own process; SnapKV keep "
+             f"{keep_ratio}, smd-snapkv-k interval {interval}, smd prefill chunk {prefill_chunk_tokens} tokens; "
+             f"peak/seq = (peak - model and warm-up) / batch")
+    print_fn(f"{'prompt':>6} {'new':>5} {'batch':>5} {'engine':>13} {'tok/s':>7} {'decode tok/s':>12} "
+             f"{'prefill s':>9} {'x smd-dense':>11} {'x vllm':>7} {'x generate':>10} {'peak/seq MiB':>12} "
+             f"{'x smd-dense':>11}")
+    rows: list[dict] = []
+    for P, N in cases:
+        res: dict[str, dict] = {}
+        for e in names:
+            r = run_isolated({**base, "engine": e, "batch": batch_size, "prompt": P, "new": N}, timeout_s)
+            if r is None:
+                print_fn(f"{P:>6} {N:>5} {batch_size:>5} {e:>13}  failed (out of memory or past the timeout)")
+                continue
+            r["tokens_per_s"] = r["tokens"] / r["seconds"]
+            r["decode_tokens_per_s"] = r["batch"] * (N - 1) / max(r["seconds"] - r["prefill_s"], 1e-9)
+            r["peak_per_seq_mib"] = (r["peak_mib"] - r["held_mib"]) / r["batch"]
+            res[e] = r
+        for e, r in res.items():
+            row = {"table": "long", **r, "vs_smd_dense": _ratio(r, res, "smd-dense", "tokens_per_s"),
+                   "vs_vllm": _ratio(r, res, "vllm", "tokens_per_s"),
+                   "vs_generate": _ratio(r, res, "generate", "tokens_per_s"),
+                   "mem_vs_smd_dense": _ratio(r, res, "smd-dense", "peak_per_seq_mib")}
+            rows.append(row)
+            print_fn(f"{P:>6} {N:>5} {r['batch']:>5} {e:>13} {r['tokens_per_s']:>7.1f} "
+                     f"{r['decode_tokens_per_s']:>12.1f} {r['prefill_s']:>9.2f} {row['vs_smd_dense']:>11.2f} "
+                     f"{row['vs_vllm']:>7.2f} {row['vs_generate']:>10.2f} {r['peak_per_seq_mib']:>12.1f} "
+                     f"{row['mem_vs_smd_dense']:>11.2f}")
+    if budget_mib:
+        P, N = budget_case or cases[0]
+        print_fn(f"memory budget {budget_mib:.0f} MiB beyond the model, {P} + {N} tokens: the largest batch each "
+                 f"engine runs within it (doubling, then bisection; every probe a whole run)")
+        print_fn(f"{'engine':>13} {'largest batch':>13} {'x smd-dense':>11} {'x vllm':>7} {'x generate':>10} "
+                 f"{'peak MiB':>8} {'tok/s':>7}")
+        found: dict[str, tuple[int, dict | None]] = {}
+        for e in names:
+            found[e] = largest_batch_by_running({**base, "engine": e, "prompt": P, "new": N}, budget_mib,
+                                                timeout_s=timeout_s)
+        batches = {e: {"largest_batch": b} for e, (b, _) in found.items()}
+        for e, (b, r) in found.items():
+            row = {"table": "budget", "engine": e, "prompt": P, "new": N, "budget_mib": budget_mib,
+                   "largest_batch": b, "vs_smd_dense": _ratio(batches[e], batches, "smd-dense", "largest_batch"),
+                   "vs_vllm": _ratio(batches[e], batches, "vllm", "largest_batch"),
+                   "vs_generate": _ratio(batches[e], batches, "generate", "largest_batch"),
+                   "peak_mib": (r["peak_mib"] - r["held_mib"]) if r else float("nan"),
+                   "tokens_per_s": r["tokens"] / r["seconds"] if r else float("nan")}
+            rows.append(row)
+            print_fn(f"{e:>13} {b:>13} {row['vs_smd_dense']:>11.2f} {row['vs_vllm']:>7.2f} "
+                     f"{row['vs_generate']:>10.2f} {row['peak_mib']:>8.0f} {row['tokens_per_s']:>7.1f}")
+    return rows
+
+
+if __name__ == "__main__":  # the worker: one run, its JSON on the last line
+    print(json.dumps(run_worker(json.loads(sys.argv[1]))))

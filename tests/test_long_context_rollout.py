@@ -1,0 +1,218 @@
+"""The long-context rollout (issue 54): the prefill under a token budget (`rollout.prefill_chunk_tokens`, a
+layer-by-layer prefill in chunks) and amortized decode-time eviction (`rollout.eviction.interval`).
+
+- The chunked prefill equals one forward of the model, in float64: the same first-token logits (to rounding),
+  the same slots and shadow masks, for every policy, padded and unpadded, shared prompts and per sample.
+- An interval k > 1 evicts every k steps: each query sees at most `schemas.raw_masks.budget` with the interval
+  (and more than the every-step budget in between), the compaction stage accepts the masks, and the learner's
+  replay of them gives the rollout's log-probs.
+- SnapKV at k >= window scores with its buffered window's attention recomputed at the eviction: the same
+  tokens and masks as its every-step ring at that interval.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from schemas.errors import SmdInputError
+from schemas.params.rollout import POLICIES, EvictionParams
+from schemas.raw_masks import budget, visible_counts
+from stages.common.kvcache.policies import snapkv
+from stages.common.kvcache.sampler import (
+    EvictingCache,
+    generate_batch,
+    new_state,
+    prefill,
+    prefill_chunks,
+    supports_layerwise_prefill,
+)
+from stages.common.kvcache.schedule import budget_array, budget_schedule
+from stages.common.model import attention_implementation, load_policy
+from stages.compaction.compact import validate_rows
+from stages.learner.objectives import token_logprobs
+from stages.learner.shadow_attention import response_logits
+from tests.helpers import make_model_dir, random_prompts, replay_batch
+
+TOL = 1e-5  # the replay tolerance of tests/test_rollout.py
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory):
+    return load_policy(make_model_dir(tmp_path_factory.mktemp("long-rollout"), "gqa")).double()
+
+
+def grouped_prompts(seed: int = 3) -> list[list[int]]:
+    a, b, c = random_prompts([30, 23, 17], seed=seed)
+    return [a, a, a, b, b, c, a]  # groups of 3, 2 and 1, left-padded to 30
+
+
+def _eviction(policy: str, **kw) -> EvictionParams:
+    return EvictionParams(policy=policy, keep_ratio=kw.pop("keep_ratio", 0.5), sinks=2, window=4, **kw)
+
+
+def test_prefill_chunks_plan():
+    # a prompt longer than the budget: one row at a time, query chunks; shorter: several rows at once
+    assert prefill_chunks(2, 10, 4) == [(0, 1, 0, 4), (0, 1, 4, 8), (0, 1, 8, 10),
+                                        (1, 2, 0, 4), (1, 2, 4, 8), (1, 2, 8, 10)]
+    assert prefill_chunks(5, 10, 25) == [(0, 2, 0, 10), (2, 4, 0, 10), (4, 5, 0, 10)]
+    assert prefill_chunks(3, 10, 10) == [(0, 1, 0, 10), (1, 2, 0, 10), (2, 3, 0, 10)]
+
+
+def _prefill(model, prompts, ev, share: bool, chunk: int):
+    state = new_state(model, prompts, ev, 6)
+    cache = EvictingCache(state)
+    kwargs = {"smd_rollout_state": state, "smd_rollout_cache": cache}
+    with torch.no_grad(), attention_implementation(model, "smd_rollout"):
+        logits = prefill(model, prompts, state, cache, 0, kwargs, share, chunk)
+    return logits, state, cache
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_chunked_prefill_equals_one_forward_float64(model64, policy, share):
+    """Layer by layer in chunks of 7 (query chunks of one row) and 64 (several rows at once) against one forward of
+    the model: first-token logits within 1e-10 (H2O: its float32 softmax's rounding), identical shadow masks and
+    slot positions, kept keys alike; padded (three prompt lengths) and unpadded (one prompt repeated)."""
+    assert supports_layerwise_prefill(model64)
+    # H2O's prefill takes its output from the explicit softmax it scores with, float32 by design
+    # (`_attend_grouped`), in query chunks that now fall elsewhere: float32 rounding, not float64's.
+    tol = 1e-5 if policy == "h2o" else 1e-10
+    for prompts in (grouped_prompts(), [random_prompts([26], seed=9)[0]] * 3):
+        ev = _eviction(policy)
+        want_logits, want_state, want_cache = _prefill(model64, prompts, ev, share, 0)
+        for chunk in (7, 64):
+            logits, state, cache = _prefill(model64, prompts, ev, share, chunk)
+            assert (logits - want_logits).abs().max().item() <= tol
+            assert torch.equal(state.evict_at, want_state.evict_at)
+            for layer, want_layer in zip(cache.layers, want_cache.layers, strict=True):
+                i = cache.layers.index(layer)
+                assert torch.equal(state.slots[i].slot_pos, want_state.slots[i].slot_pos)
+                assert (layer.keys - want_layer.keys).abs().max().item() <= tol
+                if want_layer.prompt_keys is not None:
+                    assert (layer.prompt_keys - want_layer.prompt_keys).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "random"])
+def test_chunked_prefill_rollout_equals_one_forward(model64, policy):
+    """Whole rollouts: the same tokens and shadow masks with the chunked prefill as with one forward."""
+    prompts = grouped_prompts()
+    ev = _eviction(policy)
+    runs = [generate_batch(model64, prompts, ev, 8, None, 0, 1.0, torch.Generator().manual_seed(0),
+                           prefill_chunk_tokens=chunk)[0] for chunk in (0, 5)]
+    for a, b in zip(*runs, strict=True):
+        assert a.response_ids == b.response_ids and np.array_equal(a.evict_at, b.evict_at)
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("interval", [1, 3, 5])
+def test_interval_budget_vectorized_equals_the_scalar_rule(interval):
+    for policy in ("snapkv", "recent"):
+        ev = _eviction(policy, interval=interval).model_dump()
+        for P in (1, 9, 40):
+            n = np.arange(1, P + 60)
+            got = budget_array(n, ev, np.full_like(n, P))
+            assert got.tolist() == [budget(int(k), ev, P) for k in n]
+
+
+def test_interval_budget_by_hand():
+    # keep 0.5, sinks 2 + window 4 = 6 protected; prompt 20, interval 3. The prompt's next query (n = 21) sees
+    # budget 11; then one key a step for 3 steps (n = 22, 23 see 12, 13); at n = 24 the eviction after the
+    # third step brought it down to the every-step budget, ceil(24 / 2) = 12.
+    ev = _eviction("snapkv", interval=3).model_dump()
+    assert [budget(n, ev, 20) for n in range(20, 28)] == [10, 11, 12, 13, 12, 13, 14, 14]
+    with pytest.raises(ValueError, match="prompt length"):
+        budget(30, ev)
+    s = budget_schedule(np.array([20]), 8, ev, evicts=True, evicts_while_decoding=True)
+    # evicts after every third fed token: 13 cached against keep budget(24) - 1 = 11, then 14 against 13
+    assert s.step_excess == [0, 0, 2, 0, 0, 1, 0]
+    assert s.capacity == 15  # the largest budget up to P + max_new_tokens (n = 28: 14 + 1), as for interval 1
+
+
+def test_interval_needs_every_step():
+    with pytest.raises(ValidationError, match="interval 4 spaces"):
+        EvictionParams(policy="snapkv", compress="prefill_only", interval=4)
+    with pytest.raises(ValidationError):
+        EvictionParams(policy="snapkv", interval=0)
+
+
+def _check_budget(results, ev) -> tuple[int, int]:
+    """(most keys any decode query sees over the interval budget, most over the every-step budget)."""
+    over_interval = over_every_step = -(10**9)
+    every = {**ev, "interval": 1}
+    for r in results:
+        counts = visible_counts(r.evict_at)
+        for q in range(r.prompt_len, r.evict_at.shape[0]):
+            over_interval = max(over_interval, int(counts[q].max()) - budget(q + 1, ev, r.prompt_len))
+            over_every_step = max(over_every_step, int(counts[q].max()) - budget(q + 1, every, r.prompt_len))
+    return over_interval, over_every_step
+
+
+def _validate(results, ev):
+    ev_rows = [r.evict_at.reshape(r.evict_at.shape[0], -1) for r in results]
+    flat = np.concatenate(ev_rows)
+    offsets = np.cumsum([0] + [e.shape[0] for e in ev_rows])
+    columns = np.arange(flat.shape[1]).reshape(results[0].evict_at.shape[1], -1)
+    validate_rows(flat, offsets, np.array([r.prompt_len for r in results]), columns, ev, lambda r: f"row {r}")
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "recent", "random"])
+def test_interval_rollout_keeps_its_budget_and_compaction_accepts_it(model64, policy):
+    prompts = grouped_prompts()
+    ev = _eviction(policy, interval=4)
+    res, _ = generate_batch(model64, prompts, ev, 14, None, 0, 1.0, torch.Generator().manual_seed(0))
+    over_interval, over_every_step = _check_budget(res, ev.model_dump())
+    assert over_interval == 0  # the interval budget is reached, never passed
+    assert over_every_step > 0  # between two evictions the cache grows past the every-step budget
+    _validate(res, ev.model_dump())
+    with pytest.raises(SmdInputError, match="over the budget"):
+        _validate(res, {**ev.model_dump(), "interval": 1})
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("interval", [4, 7])
+def test_snapkv_recomputed_window_equals_its_ring(model64, interval, share, monkeypatch):
+    """At interval >= window the buffered queries' attention recomputed at the eviction scores as the every-step
+    ring does: the same tokens and masks (float64)."""
+    prompts = grouped_prompts()
+    ev = _eviction("snapkv", interval=interval)
+    want, _ = generate_batch(model64, prompts, ev, 20, None, 0, 1.0, torch.Generator().manual_seed(2),
+                             share_prompt=share)
+    init = snapkv.SnapKVPolicy.__init__
+
+    def ring_init(self, cfg, num_layers):
+        init(self, cfg, num_layers)
+        self.recomputes_window = False
+
+    monkeypatch.setattr(snapkv.SnapKVPolicy, "__init__", ring_init)
+    got, _ = generate_batch(model64, prompts, ev, 20, None, 0, 1.0, torch.Generator().manual_seed(2),
+                            share_prompt=share)
+    for a, b in zip(got, want, strict=True):
+        assert a.response_ids == b.response_ids and np.array_equal(a.evict_at, b.evict_at)
+
+
+def test_snapkv_at_an_interval_keeps_no_ring(model64):
+    ev = _eviction("snapkv", interval=8)
+    state = new_state(model64, grouped_prompts(), ev, 4)
+    assert state.decode_observation == "window_queries"
+    _, state, _ = _prefill(model64, grouped_prompts(), ev, True, 0)
+    assert all("ring" not in s.extra for s in state.slots)
+    _, state, _ = _prefill(model64, grouped_prompts(), _eviction("snapkv"), True, 0)
+    assert all("ring" in s.extra for s in state.slots)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_replay_holds_at_an_interval(tmp_path, policy):
+    """The learner replays an interval rollout's masks as any other (float32 model, the rollout tolerance)."""
+    model = load_policy(make_model_dir(tmp_path, "gqa"))
+    prompts = grouped_prompts(seed=5)
+    res, _ = generate_batch(model, prompts, _eviction(policy, interval=4), 12, None, 0, 0.8,
+                            torch.Generator().manual_seed(1), prefill_chunk_tokens=16)
+    ids, evict_at, rec = replay_batch(prompts, res)
+    with torch.no_grad():
+        logits, targets, valid = response_logits(model, ids, evict_at, [len(p) for p in prompts],
+                                                 [len(r.response_ids) for r in res])
+    lp = token_logprobs(logits, targets, 0.8)
+    assert (lp - rec)[valid].abs().max().item() <= TOL
