@@ -65,7 +65,6 @@ def bench_rollout_cmd(
     processes: Annotated[str | None, typer.Option(
         help="Comma-separated process counts, e.g. 1,2: the rollout stage data parallel (gloo), tokens/s side by "
              "side instead of the policy comparison.")] = None,
-    threads: Annotated[int, typer.Option(min=1, help="With --processes: torch threads per process.")] = 1,
     prompts: Annotated[int | None, typer.Option(
         min=1, help="With --processes or --group-size: prompts sampled (default 32; with --group-size 16).")] = None,
     group_size: Annotated[int | None, typer.Option(
@@ -93,6 +92,24 @@ def bench_rollout_cmd(
         "--profile/--no-profile",
         help="With --model and --group-size: after the timed runs, each engine once more under torch.profiler "
              "(vLLM in this process): its top operators by self CPU time.")] = False,
+    long: Annotated[bool, typer.Option(
+        "--long/--no-long",
+        help="With --model: the long-context table (stages/bench/rollout_long.py): per case (--cases) smd dense, "
+             "smd SnapKV every step and at --interval, transformers generate and vLLM, each run in its own "
+             "process, at --batch-size (default 8): tokens/s and the measured peak memory per sequence; with "
+             "--budget-mib, the largest batch each engine runs within that budget, found by running it.")] = False,
+    cases: Annotated[str | None, typer.Option(
+        help="With --long: PROMPTxNEW cases, comma-separated (default 2048x512,4096x1024,6144x2048,1024x4096).")
+    ] = None,
+    interval: Annotated[int, typer.Option(
+        min=1, help="With --long: rollout.eviction.interval of the smd-snapkv-k engine.")] = 64,
+    prefill_chunk_tokens: Annotated[int, typer.Option(
+        min=0, help="With --long: rollout.prefill_chunk_tokens of the smd engines (0 = one forward).")] = 2048,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads per process (--processes, --long).")] = 1,
+    budget_mib: Annotated[float | None, typer.Option(
+        min=1, help="With --long: the memory budget (MiB beyond the model) of the largest-batch search.")] = None,
+    budget_case: Annotated[str | None, typer.Option(
+        help="With --long and --budget-mib: the PROMPTxNEW case of the search (default: the first case).")] = None,
 ) -> None:
     """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
@@ -113,12 +130,19 @@ def bench_rollout_cmd(
                                              new_tokens or 16, batch_size or 16, repeats or 2, engine_list,
                                              profile=profile))
         return
+    if model is not None and long:
+        from stages.bench.rollout_long import bench_rollout_long, parse_cases
+
+        guarded(lambda: bench_rollout_long(
+            model, parse_cases(cases), batch_size or 8, keep_ratio, interval, prefill_chunk_tokens, engine_list,
+            threads, budget_mib, parse_cases(budget_case)[0] if budget_case else None, device))
+        return
     if model is not None:
         from stages.bench.rollout import bench_rollout_model
 
         guarded(lambda: bench_rollout_model(
             model, parse_lengths(), keep_ratio, new_tokens or 32, repeats or 2, engine_list,
-            budget_sequences=budget_sequences))
+            budget_sequences=budget_sequences, batch_size=batch_size))
         return
     if processes:
         from stages.bench.rollout_scale import bench_rollout_processes

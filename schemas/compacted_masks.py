@@ -38,6 +38,8 @@ touch. A row's mask as a pandas DataFrame (columns token, layer, kv_head, evict_
     df = mask_row_frame("artifacts/iter-001/compact/masks.zarr", row=0)
 
 The boolean [query x key] mask of one layer/head: `schemas.raw_masks.visibility(torch.from_numpy(ev[:, l, h]))`.
+
+Concept: docs/concepts/shadow-masks.md; the contract as a table: docs/reference/artifacts.md (generated).
 """
 
 from __future__ import annotations

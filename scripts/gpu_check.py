@@ -59,7 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 PARTS = ("preflight", "correctness", "rollout", "learner", "e2e")
-ENGINES = ("smd snapkv 0.5", "smd dense", "hf generate")
+ENGINES = ("smd snapkv 0.5", "smd snapkv 0.5 k64", "smd dense", "hf generate")
+PREFILL_CHUNK_TOKENS = 2048  # rollout.prefill_chunk_tokens' default (the layer-by-layer prefill, issue 54)
 LEARNERS = ("dense", "smd_flex", "smd_gather")
 LEARNER_LABELS = {"dense": "dense learner", "smd_flex": "smd (flex)", "smd_gather": "physical KV slicing",
                   "smd_sdpa": "smd (sdpa)", "smd_tiled": "smd (tiled)"}
@@ -451,7 +452,9 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
     host = {"seconds": 0.0}
     t0 = time.perf_counter()
     if engine.startswith("smd"):
-        eviction = (EvictionParams(policy="snapkv", keep_ratio=0.5) if "snapkv" in engine
+        # "k64": rollout.eviction.interval 64 (issue 54: evict every 64 steps, SnapKV without its ring)
+        interval = 64 if engine.endswith("k64") else 1
+        eviction = (EvictionParams(policy="snapkv", keep_ratio=0.5, interval=interval) if "snapkv" in engine
                     else EvictionParams(policy="dense"))
         timed = sampler.sample_results
 
@@ -466,7 +469,8 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
         sampler.sample_results = untimed
         try:
             _, stats = sampler.generate_batch(model, prompts, eviction, new_tokens, eos_token_id=None,
-                                              generator=torch.Generator(device="cpu").manual_seed(0))
+                                              generator=torch.Generator(device="cpu").manual_seed(0),
+                                              prefill_chunk_tokens=PREFILL_CHUNK_TOKENS)
         finally:
             sampler.sample_results = timed
         generated = stats.generated_tokens

@@ -243,6 +243,29 @@ def replay_gap(params, policy: Path, rollout: dict[str, Path], masks_path: Path)
     return c["masks"], max(float(np.abs(got[i] - data.rollout_logprobs[i]).max()) for i in rows if len(got[i]))
 
 
+def float64_policy(model_dir: Path):
+    """The policy computed in float64 throughout (tests/test_shared_prompt.py's `float64_model`): transformers
+    computes RMSNorm and RoPE's cos/sin in float32 whatever the model's dtype (an RMSNorm's backward then rounds its
+    incoming gradient to float32: ~1e-9 relative gaps between two batchings that are rounding, not the algorithm);
+    both run in float64 here."""
+    model = load_policy(model_dir).double()
+    for module in model.modules():
+        if hasattr(module, "variance_epsilon"):  # transformers' RMSNorm (Qwen3, Llama): x / rms(x) * weight
+            def rms_norm_float64(x, m=module):
+                return m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+
+            module.forward = rms_norm_float64
+    rotary = model.model.rotary_emb
+
+    def rope_float64(x, position_ids):
+        freqs = position_ids[..., None].double() * rotary.inv_freq.double()[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
+
+    rotary.forward = rope_float64
+    return model
+
+
 def params_of(policy_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(policy_dir / "model.safetensors"))
 

@@ -108,7 +108,7 @@ def test_a_bare_cuda_device_is_placed_on_the_current_gpu(monkeypatch):
     set_to, moved_to = [], []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append(d))
-    monkeypatch.setattr("stages.common.model.configure_precision", lambda device, dtype: None)
+    monkeypatch.setattr("stages.common.policy_io.configure_precision", lambda device, dtype: None)
 
     class Model:
         def to(self, device):

@@ -216,3 +216,25 @@ def test_replay_holds_at_an_interval(tmp_path, policy):
                                                  [len(r.response_ids) for r in res])
     lp = token_logprobs(logits, targets, 0.8)
     assert (lp - rec)[valid].abs().max().item() <= TOL
+
+
+@pytest.mark.slow
+def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path):
+    """`smdctl bench rollout --model DIR --long` on the tiny model: every smd engine and `generate` make batch x new
+    tokens, each run's peak is measured in its own process, and the largest-batch search finds a batch by
+    running it (vLLM left out: tests/test_vllm_engine.py covers it)."""
+    from stages.bench.rollout_long import bench_rollout_long, parse_cases
+
+    assert parse_cases("64x8,32x4") == [(64, 8), (32, 4)]
+    with pytest.raises(SmdInputError, match="PROMPTxNEW"):
+        parse_cases("64")
+    lines: list[str] = []
+    rows = bench_rollout_long(make_model_dir(tmp_path, "gqa"), [(48, 6)], batch_size=2, interval=4,
+                              prefill_chunk_tokens=16, engines=["smd-dense", "smd-snapkv", "smd-snapkv-k", "generate"],
+                              budget_mib=10_000, max_batch=2, print_fn=lines.append)
+    long = [r for r in rows if r["table"] == "long"]
+    assert {r["engine"] for r in long} == {"smd-dense", "smd-snapkv", "smd-snapkv-k", "generate"}
+    assert all(r["tokens"] == 2 * 6 and r["peak_mib"] >= r["held_mib"] > 0 for r in long)
+    budget_rows = [r for r in rows if r["table"] == "budget"]
+    assert len(budget_rows) == 4 and all(r["largest_batch"] == 2 for r in budget_rows)  # the cap: all fit
+    assert any("largest batch" in line for line in lines)

@@ -24,6 +24,7 @@ from stages.learner.shared_prompt import (
 )
 from stages.learner.train import group_grouped, process_rows, run_learner
 from tests.helpers import (
+    float64_policy,
     make_iteration,
     make_model_dir,
     make_params,
@@ -57,27 +58,9 @@ def grouped_rollout(model_dir, policy: str, seed: int = 0):
 
 
 def float64_model(model_dir):
-    """The policy computed in float64 throughout. transformers computes RMSNorm and RoPE's cos/sin in float32
-    whatever the model's dtype: an RMSNorm's backward then rounds its incoming gradient to float32, once for the
-    sum of a group's rows in the shared forward and once per row in the per-sample one (a 1e-9 relative gap that
-    is rounding, not the algorithm), and the vectorized and scalar cos of one position may differ by an ulp with
-    the tensor's shape. Both run in float64 here."""
-    model = load_policy(model_dir).double()
-    for module in model.modules():
-        if hasattr(module, "variance_epsilon"):  # transformers' RMSNorm (Qwen3, Llama): x / rms(x) * weight
-            def rms_norm_float64(x, m=module):
-                return m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
-
-            module.forward = rms_norm_float64
-    rotary = model.model.rotary_emb
-
-    def rope_float64(x, position_ids):
-        freqs = position_ids[..., None].double() * rotary.inv_freq.double()[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * rotary.attention_scaling).to(x.dtype), (emb.sin() * rotary.attention_scaling).to(x.dtype)
-
-    rotary.forward = rope_float64
-    return model
+    """The policy computed in float64 throughout (`tests.helpers.float64_policy`: RMSNorm and RoPE's cos/sin too,
+    which transformers computes in float32 whatever the model's dtype)."""
+    return float64_policy(model_dir)
 
 
 def float64_scores(model, hidden, teacher, targets, valid, temperature: float = 0.8):

@@ -269,6 +269,21 @@ class LearnerParams(BaseModel):
     micro_batch_size: int = Field(
         8, ge=1, description="Sequences per forward/backward on each process (gradients accumulate across them)."
     )
+    micro_batch_tokens: int | None = Field(
+        None, ge=0,
+        description="Micro-batches by a token budget instead of `micro_batch_size` rows (verl's use_dynamic_bsz with "
+        "ppo_max_token_len_per_gpu; OpenRLHF's --train.dynamic_batch_enable; stages/learner/token_budget.py, "
+        "docs/design.md §3d). Each process's rows, longest first, are cut into micro-batches whose padded tokens "
+        "(rows x the longest row's prompt + response: what the learner's right-padded [B, T] tensors hold, evict_at "
+        "[L, B, H, T] and the per-sample forward's activations among them) stay within the budget, so short "
+        "responses fill a micro-batch with more rows and one long response no longer sets the rows of all. With "
+        "`shared_prompt` a micro-batch holds whole GRPO groups (never part of one). Processes then take rows (or "
+        "groups) balanced by tokens (Karmarkar-Karp's largest differencing, as verl's seqlen_balancing) instead of "
+        "round-robin. `micro_batch_size` is then not read. The step is the same whatever the partition (float64 "
+        "tests to 1e-12; with kl_tokens other than `all` the KL's mean is per micro-batch, as with row counts). A "
+        "budget below one row's (with shared prompts one group's) padded tokens is refused. null or 0 = off "
+        "(the default).",
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="Global gradient-norm clipping (0 = off).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="AdamW beta1.")

@@ -9,11 +9,15 @@ compacted mask store, then learned from by `run_learner` itself, once per arm, e
 memory is per process on a CPU) and `repeats` times (the fastest counts):
 
   smd shared       learner.objective smd (lambda 0.1, the dense teacher of the same weights), shared prompts
+  smd token budget the same with micro-batches by a token budget (learner.micro_batch_tokens: whole groups up to
+                   `micro_batch_tokens` padded tokens; by default max(micro-batch, G) x (prompt + response tokens),
+                   the row-count arm's micro-batch at the longest rows)
   smd per-sample   the same with learner.shared_prompt false: every sample forwards its prompt
   dense shared     the dense learner (objective dense): no mask, no teacher; the field's anchor
   dense per-sample the same, per sample
 
-Per arm: the optimizer step's seconds (forward, backward and AdamW: `learner/seconds_per_step`), the parity pass's
+Per arm: padded tokens / real tokens of its steps (rows x longest row per micro-batch over prompt + response
+tokens: `learner/padded_token_ratio`), the optimizer step's seconds (forward, backward and AdamW: `learner/seconds_per_step`), the parity pass's
 (a no-grad scoring of every row), the whole learn call, and memory, itemized from the resident set measured at the
 learner's own stages (glibc set to release freed memory, as `stages.bench.learner` does): the process before
 the learner (Python, torch, DeepSpeed imported), the policy loaded (weights), the DeepSpeed engine built
@@ -51,11 +55,13 @@ PHASES: dict[str, str] = {
     "forward_logp": "forward", "chunked_token_scores": "lm head",
 }
 
-ARMS: tuple[tuple[str, str, bool], ...] = (
-    ("smd shared", "smd", True),
-    ("smd per-sample", "smd", False),
-    ("dense shared", "dense", True),
-    ("dense per-sample", "dense", False),
+# (label, objective, shared prompts, micro-batches by a token budget)
+ARMS: tuple[tuple[str, str, bool, bool], ...] = (
+    ("smd shared", "smd", True, False),
+    ("smd token budget", "smd", True, True),
+    ("smd per-sample", "smd", False, False),
+    ("dense shared", "dense", True, False),
+    ("dense per-sample", "dense", False, False),
 )
 
 
@@ -118,9 +124,11 @@ def arm_params(spec: dict[str, Any], resume: bool = False):
     (the synthetic log-probs are not the model's); `resume`: learner.resume_optimizer."""
     from schemas.params import load_params
 
+    tokens = spec.get("micro_batch_tokens")
     return load_params(None, [
         f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
         f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
+        f"learner.micro_batch_tokens={tokens if tokens else 'null'}",
         f"learner.resume_optimizer={str(resume).lower()}", "learner.lr=1e-7",
         f"learner.attention_backend={spec['backend']}", "rollout.eviction.policy=snapkv",
         f"rollout.temperature={spec['temperature']}",
@@ -195,6 +203,7 @@ def arm_main(spec_json: str) -> None:
     top = top_operators(profiler, spec.get("top", 12)) if profiler is not None else []
     print("SMD_BENCH " + json.dumps({
         "step_s": details["learner/seconds_per_step"], "parity_s": details.get("learner/parity_seconds", 0.0),
+        "padded_ratio": details.get("learner/padded_token_ratio", float("nan")),
         "learn_s": details["learner/seconds"], **{f"rss_{k}_mb": v for k, v in marks.items()},
         "phases": clock, "top_ops": top,
     }), flush=True)
@@ -286,19 +295,19 @@ def _run_arm(spec: dict[str, Any], cores: str | None) -> dict[str, Any]:
 
 
 def bench_arms(micro_batch_size: int, shared_micro_batch_size: int | None,
-               arms: list[str] | None = None) -> list[tuple[str, str, bool, int]]:
-    """(label, objective, shared, micro-batch rows) of every arm `arms` names (None: all). With
-    `shared_micro_batch_size` other than `micro_batch_size` the shared arms run at both sizes, those at the
-    other size labelled "... mb N" (several groups a micro-batch)."""
+               arms: list[str] | None = None) -> list[tuple[str, str, bool, int, bool]]:
+    """(label, objective, shared, micro-batch rows, token budget) of every arm `arms` names (None: all). With
+    `shared_micro_batch_size` other than `micro_batch_size` the shared row-count arms run at both sizes, those at
+    the other size labelled "... mb N" (several groups a micro-batch); the token-budget arm reads no row count."""
     out = []
-    for label, objective, shared in ARMS:
+    for label, objective, shared, tokens in ARMS:
         sizes = [micro_batch_size]
-        if shared and shared_micro_batch_size not in (None, micro_batch_size):
+        if shared and not tokens and shared_micro_batch_size not in (None, micro_batch_size):
             sizes.append(shared_micro_batch_size)
         for size in sizes:
             name = label if size == micro_batch_size else f"{label} mb {size}"
             if arms is None or name in arms or label in arms:
-                out.append((name, objective, shared, size))
+                out.append((name, objective, shared, size, tokens))
     unknown = set(arms or ()) - {a[0] for a in out} - {a[0] for a in ARMS}
     if unknown or not out:
         from schemas.errors import SmdInputError
@@ -312,19 +321,24 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
                        response_tokens: int = 16, micro_batch_size: int = 8, repeats: int = 2, threads: int = 1,
                        cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
                        temperature: float = 0.7, profile: bool = False, shared_micro_batch_size: int | None = None,
-                       memory: bool = False, log=print) -> list[dict[str, Any]]:
+                       memory: bool = False, micro_batch_tokens: int | None = None,
+                       log=print) -> list[dict[str, Any]]:
     """Run every arm `repeats` times (interleaved), print the table, return its rows; `profile`: then each arm
     once more, untimed, profiled (its phases and top operators printed after the table, and in its row's
     "profile": phases in seconds, top_ops as (name, self CPU seconds, calls)). `shared_micro_batch_size`: the
     shared arms also at this many rows a micro-batch (several groups: their prompts in one call); every shared
     row's "vs per-sample" is against the per-sample arm at `micro_batch_size`. `memory`: then each arm's resumed
-    learn call itemized (`memory_arm_main`), printed after the table and in its row's "memory"."""
+    learn call itemized (`memory_arm_main`), printed after the table and in its row's "memory".
+    `micro_batch_tokens`: the token-budget arm's learner.micro_batch_tokens (default: max(micro_batch_size,
+    group_size) x (prompt_tokens + response_tokens), the row-count arm's micro-batch at the longest rows, at least
+    one whole group)."""
     import torch
     from transformers import AutoConfig
 
     chosen = bench_arms(micro_batch_size, shared_micro_batch_size, arms)
-    sizes = {size for *_, size in chosen}
-    shared_size_note = f" (mb {shared_micro_batch_size}: the shared arms at that size)" if sizes != {micro_batch_size} else ""
+    sizes = {arm[3] for arm in chosen if not arm[4]}
+    budget = micro_batch_tokens or max(micro_batch_size, group_size) * (prompt_tokens + response_tokens)
+    shared_size_note = f" (mb {shared_micro_batch_size}: the shared arms at that size)" if sizes - {micro_batch_size} else ""
     cfg = AutoConfig.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         traj, masks, counts = grpo_workload(model_dir, Path(tmp), prompts, group_size, prompt_tokens,
@@ -332,44 +346,47 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         n_params = sum(p.numel() for p in _count_model(model_dir).parameters())
         log(f"# learner on GRPO's workload: {model_dir.name} ({n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} "
             f"layers), {prompts} prompts x G {group_size}, prompts ~{prompt_tokens} tokens, responses <= "
-            f"{response_tokens}; micro-batch {micro_batch_size}{shared_size_note}; backend {backend}; float32; torch {torch.__version__}; "
+            f"{response_tokens}; micro-batch {micro_batch_size}{shared_size_note}"
+            f"{f', token budget {budget}' if any(arm[4] for arm in chosen) else ''}; backend {backend}; float32; "
+            f"torch {torch.__version__}; "
             f"{threads or 'default'} thread(s); cores {cores or 'any'}; fastest of {repeats}")
         log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
             f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "
             f"(distinct prompts + responses + each sample's last prompt token)")
-        def arm_spec(objective: str, shared: bool, size: int) -> dict[str, Any]:
+        def arm_spec(objective: str, shared: bool, size: int, tokens: bool) -> dict[str, Any]:
             return {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
                     "shared": shared, "micro_batch_size": size, "threads": threads, "backend": backend,
-                    "temperature": temperature}
+                    "temperature": temperature, "micro_batch_tokens": budget if tokens else None}
 
         best: dict[str, dict[str, Any]] = {}
         for _ in range(repeats):
-            for label, objective, shared, size in chosen:
-                res = _run_arm(arm_spec(objective, shared, size), cores)
+            for label, *arm in chosen:
+                res = _run_arm(arm_spec(*arm), cores)
                 if label not in best or res["step_s"] < best[label]["step_s"]:
                     best[label] = res
         profiles = {}
-        for label, objective, shared, size in chosen if profile else ():
-            profiles[label] = _run_arm({**arm_spec(objective, shared, size), "profile": True}, cores)
-        itemized = {label: _run_arm({**arm_spec(objective, shared, size), "memory": True}, cores)
-                    for label, objective, shared, size in (chosen if memory else ())}
+        for label, *arm in chosen if profile else ():
+            profiles[label] = _run_arm({**arm_spec(*arm), "profile": True}, cores)
+        itemized = {label: _run_arm({**arm_spec(*arm), "memory": True}, cores)
+                    for label, *arm in (chosen if memory else ())}
     weights_mb = n_params * 4 / 2**20
     log(f"# analytic: weights {weights_mb:.0f} MB, gradients {weights_mb:.0f} MB, AdamW moments {2 * weights_mb:.0f} MB "
         f"(sum {4 * weights_mb:.0f} MB)")
-    header = ("arm", "step s", "vs per-sample", "parity s", "learn s", "RSS start", "+policy", "+engine",
-              "+step peak", "peak MB")
+    header = ("arm", "step s", "vs per-sample", "padded/real", "parity s", "learn s", "RSS start", "+policy",
+              "+engine", "+step peak", "peak MB")
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     rows = []
-    for label, objective, shared, size in chosen:
+    for label, objective, shared, size, tokens in chosen:
         r = best[label]
         twin = best.get(f"{objective} per-sample")
         ratio = f"{twin['step_s'] / r['step_s']:.2f}x" if twin and shared else ""
         start, policy = r["rss_start_mb"], r.get("rss_policy_mb", r["rss_start_mb"])
         engine = r.get("rss_engine_mb", policy)
-        log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['parity_s']:.2f} | {r['learn_s']:.1f} | {start:.0f} | "
+        log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['padded_ratio']:.2f} | {r['parity_s']:.2f} | "
+            f"{r['learn_s']:.1f} | {start:.0f} | "
             f"{policy - start:.0f} | {engine - policy:.0f} | {r['rss_peak_mb'] - engine:.0f} | {r['rss_peak_mb']:.0f} |")
-        rows.append({"arm": label, "micro_batch_size": size, **r, **({"profile": profiles[label]} if label in profiles else {}),
+        rows.append({"arm": label, "micro_batch_size": size, "micro_batch_tokens": budget if tokens else None, **r, **({"profile": profiles[label]} if label in profiles else {}),
                      **({"memory": itemized[label]} if label in itemized else {})})
     for label, prof in profiles.items():
         log_profile(label, prof, log)

@@ -257,10 +257,11 @@ def _measure(engines: _ModelEngines, names: list[str], prompts_of: dict[str, lis
 
 def bench_rollout_model(model_dir: str | Path, lengths: list[int] | None = None, keep_ratio: float = 0.5,
                         new_tokens: int = 32, repeats: int = 2, engines: list[str] | None = None,
-                        budget_length: int = 1024, budget_sequences: int = 4, print_fn=print) -> list[dict]:
+                        budget_length: int = 1024, budget_sequences: int = 4, print_fn=print,
+                        batch_size: int | None = None) -> list[dict]:
     """`smdctl bench rollout --model DIR` on the CPU: transformers `generate`, smd dense, smd SnapKV at
     `keep_ratio` and vLLM's CPU build (dense, when installed) on random prompts of each length in `lengths`
-    (batch per length: `MODEL_SHAPES`), `new_tokens` each; then a fixed KV-cache budget (the dense cache of
+    (batch per length: `batch_size`, else `MODEL_SHAPES`), `new_tokens` each; then a fixed KV-cache budget (the dense cache of
     `budget_sequences` sequences of `budget_length` prompt tokens plus `new_tokens`): per engine the largest
     batch whose cache fits it, and tokens/s at that batch. Prints both tables; returns their rows."""
     from stages.common import vllm_sampler
@@ -277,7 +278,7 @@ def bench_rollout_model(model_dir: str | Path, lengths: list[int] | None = None,
         names.remove("vllm")
     model = load_policy(model_dir)
     vocab = model.config.vocab_size
-    batches = {T: MODEL_SHAPES.get(T, 1) for T in lengths}
+    batches = {T: batch_size or MODEL_SHAPES.get(T, 1) for T in lengths}  # --batch-size, else the length's own
     budget_batch: dict[str, int] = {}
     per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
     budget = budget_sequences * (budget_length + new_tokens) * per_token

@@ -213,7 +213,7 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
                        keep_ratio: float = 0.5, interval: int = 64, prefill_chunk_tokens: int = 2048,
                        engines: list[str] | None = None, threads: int = 1, budget_mib: float | None = None,
                        budget_case: tuple[int, int] | None = None, device: str = "auto", dtype: str = "float32",
-                       timeout_s: float | None = None, print_fn=print) -> list[dict]:
+                       timeout_s: float | None = None, max_batch: int = 256, print_fn=print) -> list[dict]:
     """Print the long-context table (and, with `budget_mib`, the largest-batch table at `budget_case`, default the
     first case); return the rows (module docstring)."""
     from stages.common import vllm_sampler
@@ -265,7 +265,7 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
         found: dict[str, tuple[int, dict | None]] = {}
         for e in names:
             found[e] = largest_batch_by_running({**base, "engine": e, "prompt": P, "new": N}, budget_mib,
-                                                timeout_s=timeout_s)
+                                                max_batch, timeout_s)
         batches = {e: {"largest_batch": b} for e, (b, _) in found.items()}
         for e, (b, r) in found.items():
             row = {"table": "budget", "engine": e, "prompt": P, "new": N, "budget_mib": budget_mib,

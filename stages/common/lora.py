@@ -13,6 +13,8 @@ Rollout and evaluation sample from the merged weights W + (alpha / r) B A (`load
 `merge_and_unload`): the plain model, with no adapter layers in its forward; the learner trains the adapter form
 (stages/learner/lora.py) and its parity gate holds within the float32 bound between the two (tests/test_lora.py).
 `write_merged_policy` (`smdctl merge-lora`) writes the merged weights as a plain Hugging Face directory.
+Its plain loaders come from `stages.common.policy_io`; `stages.common.model.load_policy` routes LoRA checkpoints
+here. Guide: docs/guides/lora.md.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from schemas.weights import (
     weight_files,
     write_weights_digest,
 )
+from stages.common.policy_io import DTYPES, load_plain_policy, load_tokenizer, place_model
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft.utils.CONFIG_NAME
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.SAFETENSORS_WEIGHTS_NAME
@@ -105,13 +108,11 @@ def load_adapter_policy(path: str | Path, dtype: str = "float32", attn_implement
     """The LoRA checkpoint `path` in the adapter form: the checked base (`checked_base`) with the adapter of
     `path` (`PeftModel.from_pretrained`; `is_trainable`: B and A require gradients, the base none). Returns
     (PeftModel, base path, base digest)."""
-    from stages.common.model import load_policy, place_model
-
     peft = require_peft(str(path))
     path = Path(path)
     verify_weights_digest(path)  # the adapter's own weights
     base, digest = checked_base(path)
-    model = load_policy(base, dtype, attn_implementation, device="cpu")
+    model = load_plain_policy(base, dtype, attn_implementation, device="cpu")  # a base is a plain directory
     try:
         wrapped = peft.PeftModel.from_pretrained(model, str(path), is_trainable=is_trainable,
                                                  autocast_adapter_dtype=False)  # the model's dtype
@@ -127,8 +128,6 @@ def load_merged_policy(path: str | Path, dtype: str = "float32", attn_implementa
     """The LoRA checkpoint `path` as a plain model with merged weights W + (alpha / r) B A (PEFT's
     `merge_and_unload`): what rollout and evaluation sample from (`stages.common.model.load_policy` routes LoRA
     checkpoints here)."""
-    from stages.common.model import place_model
-
     wrapped, _, _ = load_adapter_policy(path, dtype, attn_implementation, device="cpu")
     merged = wrapped.merge_and_unload()
     merged.eval()
@@ -138,8 +137,6 @@ def load_merged_policy(path: str | Path, dtype: str = "float32", attn_implementa
 def write_merged_policy(adapter_dir: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """`smdctl merge-lora`: write the merged weights of a LoRA checkpoint as a plain Hugging Face model directory
     (safetensors, tokenizer, weights digest) at `out`, atomically; never into a directory smd did not create."""
-    from stages.common.model import DTYPES, load_tokenizer
-
     adapter_dir, out = Path(adapter_dir), Path(out)
     if dtype not in DTYPES:
         raise SmdInputError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")

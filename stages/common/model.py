@@ -3,7 +3,8 @@
 The tiny default is a Qwen3-architecture causal LM built from a config (nothing can be downloaded
 here) with a word-level tokenizer built with `tokenizers`, or (model.tiny.tokenizer=bpe) a byte-level BPE
 tokenizer trained here with Qwen's special tokens and ChatML chat template. Any Hugging Face causal-LM directory works
-in its place through `model.init_path`.
+in its place through `model.init_path`. Loading a plain directory, dtypes and device placement live in
+`stages.common.policy_io` (shared with `stages.common.lora`). Guide: docs/guides/your-model.md.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +19,6 @@ import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -33,11 +31,16 @@ from schemas.layout import PROVENANCE
 from schemas.params.model import DEVICE_CHOICES, DEVICE_PATTERN, ModelParams, TinyModelParams
 from schemas.weights import verify_weights_digest, write_weights_digest
 from stages.common.lora import ADAPTER_CONFIG, is_adapter_checkpoint, load_merged_policy
+
+# Re-exported: stages import these from here; they live in the lower layer that stages.common.lora shares.
+from stages.common.policy_io import DTYPES as DTYPES
+from stages.common.policy_io import configure_precision as configure_precision
+from stages.common.policy_io import load_plain_policy
+from stages.common.policy_io import load_tokenizer as load_tokenizer
+from stages.common.policy_io import place_model as place_model
 from stages.common.vocab import bpe_training_corpus, tiny_vocabulary
 
 hf_logging.disable_progress_bar()  # stage logs stay readable; stages print their own progress
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -206,19 +209,6 @@ def record_external_model(init_path: Path, record_dir: Path) -> Path:
     return record_dir / EXTERNAL_RECORD
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    path = Path(path)
-    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-        raise SmdInputError(f"{path}: no tokenizer found (tokenizer.json); run `smdctl init-model` or fix model.init_path")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - any loader failure (JSON, tokenizers, missing files) is a bad artifact
-        raise SmdInputError(f"{path}: cannot load the tokenizer ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
 def local_rank() -> int:
     """This process's rank on its node (LOCAL_RANK from the deepspeed launcher or torchrun; 0 when not launched)."""
     try:
@@ -248,30 +238,6 @@ def resolve_device(spec: str = "auto", rank: int | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def configure_precision(device: torch.device | str, dtype: torch.dtype) -> None:
-    """TF32 off for a float32 model on CUDA: the parity invariant (rollout log-probs = learner log-probs within
-    1e-5) is float32's, and TF32 matmuls (10-bit mantissa) would break it. Process-wide torch flags (cuBLAS and
-    cuDNN; inductor's FlexAttention kernels read the matmul flag too); nothing changes on the CPU or for bf16."""
-    if torch.device(device).type != "cuda" or dtype != torch.float32:
-        return
-    with warnings.catch_warnings():  # torch >= 2.9 announces a newer API; the legacy flags work on 2.11-2.14
-        warnings.simplefilter("ignore")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-
-def place_model(model, device: torch.device | str):
-    """Move `model` to `device` (a `resolve_device` result) and set the precision flags its dtype needs there."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        if device.index is None:  # a bare "cuda" is the current GPU; torch.cuda.set_device needs an index
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)  # kernels, NCCL and CUDA generators default to this process's GPU
-    model.to(device)
-    configure_precision(device, next(model.parameters()).dtype)
-    return model
-
-
 def model_device(model) -> torch.device:
     """The device a model's weights live on: where every tensor of a forward over it must be created."""
     return next(model.parameters()).device
@@ -282,24 +248,11 @@ def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: s
     """Load a causal LM from a Hugging Face directory onto `device` (stages pass
     `resolve_device(params.model.device)`); one clear line if it is missing or unloadable. A LoRA checkpoint
     (`learner.lora`: PEFT's adapter plus the record of its base) loads as its merged weights
-    (`stages.common.lora.load_merged_policy`)."""
-    path = Path(path)
+    (`stages.common.lora.load_merged_policy`), any other directory as a plain one
+    (`stages.common.policy_io.load_plain_policy`)."""
     if is_adapter_checkpoint(path):
         return load_merged_policy(path, dtype, attn_implementation, device)
-    if not (path / "config.json").exists():
-        raise SmdInputError(f"{path}: no policy checkpoint (config.json missing)")
-    verify_weights_digest(path)  # a flipped byte in a weight: one line, before the weights are read
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=DTYPES[dtype], attn_implementation=attn_implementation
-        )
-    except Exception as exc:  # noqa: BLE001 - any loader failure is a bad artifact
-        raise SmdInputError(f"{path}: cannot load policy checkpoint ({exc.__class__.__name__}: {str(exc)[:120]})") from exc
-    for name, param in model.named_parameters():  # a damaged weight file can hold NaN/inf: sampling would crash
-        if not torch.isfinite(param).all():
-            raise SmdInputError(f"{path}: {name}: non-finite weights (damaged checkpoint?)")
-    model.eval()
-    return place_model(model, device)
+    return load_plain_policy(path, dtype, attn_implementation, device)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,8 @@ Conventions (every function):
   gradient into it.
 - No hyperparameter has a default here: the defaults live in `schemas.params.learner.LearnerParams` only.
 
+Concept: docs/concepts/objectives.md (each objective, its forward, its old policy and its source).
+
 Objectives (docs/design.md section 7, each matched to its source). Each is one function registered with
 `register_objective(name, ...)` (verl's `POLICY_LOSS_REGISTRY` pattern), taking the validated `LearnerParams`
 and an `ObjectiveBatch`, with an `ObjectiveSpec` of what the learner runs for it; `objective_loss(params,

@@ -39,7 +39,9 @@ Sharding: every process reads the whole table; mini-batch rows go to processes r
 micro-batches run zero-weight ones so that all take part in every gradient reduction. With
 `learner.shared_prompt` (the default) processes take whole GRPO groups round-robin instead, micro-batches hold
 whole groups (or parts of one), and each run of rows with one prompt forwards it once
-(`stages.learner.shared_prompt`; docs/design.md §3c).
+(`stages.learner.shared_prompt`; docs/design.md §3c). With `learner.micro_batch_tokens` micro-batches are cut by a
+padded-token budget (whole groups with shared prompts) and processes take rows (or groups) balanced by tokens with
+Karmarkar-Karp (`stages.learner.token_budget`; docs/design.md §3d).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ from stages.learner.shadow_attention import (
     response_hidden_with_teacher,
 )
 from stages.learner.shared_prompt import shared_prompt_hidden
+from stages.learner.token_budget import budget_micro_batches, karmarkar_karp
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -211,26 +214,71 @@ def length_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[i
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
+def groups_longest_first(data: LearnerData, rows: list[int]) -> list[list[int]]:
+    """The GRPO groups of `rows`, each its rows longest first, the groups by their longest row first (ties by group
+    id); deterministic."""
+    members: dict[int, list[int]] = {}
+    for r in rows:
+        members.setdefault(int(data.groups[r]), []).append(r)
+    groups = [sorted(m, key=lambda r: (-data.length(r), r)) for m in members.values()]
+    return sorted(groups, key=lambda m: (-data.length(m[0]), int(data.groups[m[0]])))
+
+
 def group_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[int]]:
     """Micro-batches of `size` rows that hold whole GRPO groups, or parts of one (`learner.shared_prompt`): the
     groups longest first, each group's rows adjacent (longest first), then cut every `size` rows; deterministic."""
-    longest: dict[int, int] = {}
-    for r in rows:
-        g = int(data.groups[r])
-        longest[g] = max(longest.get(g, 0), data.length(r))
-    ordered = sorted(rows, key=lambda r: (-longest[int(data.groups[r])], int(data.groups[r]), -data.length(r), r))
+    ordered = [r for group in groups_longest_first(data, rows) for r in group]
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def micro_batches(data: LearnerData, rows: list[int], size: int, shared: bool) -> list[list[int]]:
-    """This process's micro-batches of `rows`: by group with shared prompts, else by length."""
+def scheduled_units(data: LearnerData, rows: list[int], shared: bool) -> list[list[int]]:
+    """What the token budget schedules whole, longest first: each GRPO group with shared prompts, else each row."""
+    if shared:
+        return groups_longest_first(data, rows)
+    return [[r] for r in sorted(rows, key=lambda r: (-data.length(r), r))]
+
+
+def token_grouped(data: LearnerData, rows: list[int], budget: int, shared: bool) -> list[list[int]]:
+    """Micro-batches of at most `budget` padded tokens (`learner.micro_batch_tokens`; `budget_micro_batches`) of
+    whole rows, or with shared prompts whole GRPO groups, longest first; deterministic."""
+    units = scheduled_units(data, rows, shared)
+    cuts = budget_micro_batches([[data.length(r) for r in unit] for unit in units], budget,
+                                "a GRPO group (learner.shared_prompt)" if shared else "a row")
+    return [[r for i in cut for r in units[i]] for cut in cuts]
+
+
+def micro_batches(data: LearnerData, rows: list[int], size: int, shared: bool, tokens: int | None = None,
+                  ) -> list[list[int]]:
+    """This process's micro-batches of `rows`: by a token budget when `tokens` (learner.micro_batch_tokens), else
+    `size` rows; by group with shared prompts, else by length."""
+    if tokens:
+        return token_grouped(data, rows, tokens, shared)
     return group_grouped(data, rows, size) if shared else length_grouped(data, rows, size)
 
 
-def process_rows(data: LearnerData, rows: list[int], rank: int, world: int, shared: bool) -> list[int]:
+def unit_tokens(data: LearnerData, unit: list[int], shared: bool) -> int:
+    """The tokens a scheduled unit forwards: with shared prompts a group's prompt once plus its responses, else
+    each row's prompt + response (what `process_rows` balances across processes)."""
+    if shared:
+        return len(data.prompt_ids[unit[0]]) + sum(len(data.response_ids[r]) for r in unit)
+    return sum(data.length(r) for r in unit)
+
+
+def process_rows(data: LearnerData, rows: list[int], rank: int, world: int, shared: bool,
+                 balance: bool = False) -> list[int]:
     """The rows of `rows` process `rank` of `world` takes: round-robin rows, or with shared prompts round-robin
-    whole groups (in group order), so that a group's prompt is forwarded by one process."""
-    if not shared or world == 1:
+    whole groups (in group order), so that a group's prompt is forwarded by one process. `balance`
+    (learner.micro_batch_tokens): rows (or whole groups) split by their tokens (`unit_tokens`) with
+    Karmarkar-Karp's largest differencing, as verl's seqlen_balancing; part `rank` of the parts in decreasing
+    tokens (the same split on every process)."""
+    if world == 1:
+        return rows
+    if balance:
+        units = scheduled_units(data, rows, shared)
+        parts = karmarkar_karp([unit_tokens(data, unit, shared) for unit in units], world)
+        mine = {r for i in parts[rank] for r in units[i]}
+        return [r for r in rows if r in mine]
+    if not shared:
         return rows[rank::world]
     groups = sorted({int(data.groups[r]) for r in rows})
     mine = set(groups[rank::world])
@@ -241,13 +289,14 @@ def process_rows(data: LearnerData, rows: list[int], rank: int, world: int, shar
 def score_rows(model, data: LearnerData, rows: list[int], *, masked: bool, temperature: float,
                micro_batch_size: int, backend: str = "sdpa", block_size: int = 128,
                device: torch.device | str = "cpu", chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-               shared: bool = False) -> dict[int, np.ndarray]:
+               shared: bool = False, micro_batch_tokens: int | None = None) -> dict[int, np.ndarray]:
     """Learner log-probs of every response token of `rows`, micro-batched and right-padded as in training
-    (shadow-masked when `masked`, else dense; `shared`: a group's prompt forwarded once per micro-batch).
+    (shadow-masked when `masked`, else dense; `shared`: a group's prompt forwarded once per micro-batch;
+    `micro_batch_tokens`: micro-batches by that token budget instead of `micro_batch_size` rows).
     Returns {row: float32 [R_row]}."""
     num_q = model.config.num_attention_heads
     out: dict[int, np.ndarray] = {}
-    for chunk in micro_batches(data, rows, micro_batch_size, shared):
+    for chunk in micro_batches(data, rows, micro_batch_size, shared, micro_batch_tokens):
         mb = build_micro_batch(data, chunk, masked, "sdpa" if shared else backend, block_size, num_q, device=device)
         logp = forward_logp(model, mb, masked, backend, temperature, chunk_tokens, shared,
                             block_size)["logp"].float().cpu()
@@ -297,15 +346,18 @@ def make_plan(data: LearnerData, cfg: LearnerParams, ctx: DistContext, seed: int
         for part in np.array_split(order, cfg.updates_per_epoch):
             if len(part):
                 minis.append((epoch, sorted(int(r) for r in part)))
-    shared = cfg.shared_prompt
+    shared, tokens = cfg.shared_prompt, cfg.micro_batch_tokens
+
+    def scheduled(rows: list[int], rank: int) -> list[list[int]]:
+        return micro_batches(data, process_rows(data, rows, rank, ctx.world, shared, balance=bool(tokens)),
+                             cfg.micro_batch_size, shared, tokens)
+
     # the most micro-batches any process has in any mini-batch (every process runs that many per step)
-    grad_accum = max(len(micro_batches(data, process_rows(data, rows, rank, ctx.world, shared), cfg.micro_batch_size,
-                                       shared)) for _, rows in minis for rank in range(ctx.world))
+    grad_accum = max(len(scheduled(rows, rank)) for _, rows in minis for rank in range(ctx.world))
     grad_accum = max(grad_accum, 1)
     steps = []
     for epoch, rows in minis:
-        mine = micro_batches(data, process_rows(data, rows, ctx.rank, ctx.world, shared), cfg.micro_batch_size,
-                             shared)
+        mine = scheduled(rows, ctx.rank)
         # Fillers run a real forward/backward (of rows this process already has, weight 0): ZeRO-2 reduces
         # gradient buckets in autograd-hook order, which must be the same on every process.
         filler = mine[-1] if mine else rows[:1]
@@ -399,6 +451,7 @@ class StepStats:
         self.logp: dict[int, np.ndarray] = {}
         self.dense_logp: dict[int, np.ndarray] = {}
         self.tokens = 0
+        self.padded_tokens = 0  # the real micro-batches' rows x longest row (what learner.micro_batch_tokens caps)
         self.entropy_sum = 0.0
         self.response_tokens = 0
         self.kl_tokens: int | None = None  # valid tokens the teacher KL applied to (None: no teacher KL)
@@ -419,6 +472,7 @@ class StepStats:
             if dl is not None:
                 self.dense_logp[r] = dl[b, :n].numpy().copy()
         self.tokens += sum(mb.prompt_lens) + sum(mb.resp_lens)
+        self.padded_tokens += mb.num_tokens
         self.entropy_sum += float(entropy[mb.valid].sum())
         self.response_tokens += int(mb.valid.sum())
         if mb.kl_mask is not None:
@@ -426,17 +480,17 @@ class StepStats:
 
     def reduce(self, ctx: DistContext, data: LearnerData, rows: list[int], cap: float) -> dict[str, float]:
         parts = _gather((self.weighted, self.ratio_min, self.ratio_max, self.logp, self.dense_logp, self.tokens,
-                         self.entropy_sum, self.response_tokens, self.kl_tokens), ctx)
+                         self.entropy_sum, self.response_tokens, self.kl_tokens, self.padded_tokens), ctx)
         weighted: dict[str, float] = {}
         logp: dict[int, np.ndarray] = {}
         dense: dict[int, np.ndarray] = {}
-        rmin, rmax, tokens, ent_sum, resp_tokens = math.inf, -math.inf, 0, 0.0, 0
+        rmin, rmax, tokens, ent_sum, resp_tokens, padded = math.inf, -math.inf, 0, 0.0, 0, 0
         kl_tokens: int | None = None
-        for w, lo, hi, lp, dl, tok, es, rt, kt in parts:
+        for w, lo, hi, lp, dl, tok, es, rt, kt, pt in parts:
             for k, v in w.items():
                 weighted[k] = weighted.get(k, 0.0) + v
             rmin, rmax, tokens = min(rmin, lo), max(rmax, hi), tokens + tok
-            ent_sum, resp_tokens = ent_sum + es, resp_tokens + rt
+            ent_sum, resp_tokens, padded = ent_sum + es, resp_tokens + rt, padded + pt
             if kt is not None:
                 kl_tokens = (kl_tokens or 0) + kt
             logp.update(lp)
@@ -452,6 +506,7 @@ class StepStats:
             "pg/ratio_max": rmax if math.isfinite(rmax) else 1.0,
             "pg/approx_kl": weighted.get("pg/approx_kl", 0.0),
             "tokens": float(tokens),
+            "padded_tokens": float(padded),
             "policy/entropy": ent_sum / max(resp_tokens, 1),
             "reward/mean": float(step_rewards.mean()),
             "reward/std": float(step_rewards.std(unbiased=False)),
@@ -591,9 +646,11 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     t0 = time.perf_counter()
     score = dict(masked=run.masked, temperature=run.temperature, micro_batch_size=cfg.micro_batch_size,
                  backend=cfg.attention_backend, block_size=cfg.flex_block_size, device=ctx.device,
-                 chunk_tokens=cfg.logit_chunk_tokens, shared=cfg.shared_prompt)
+                 chunk_tokens=cfg.logit_chunk_tokens, shared=cfg.shared_prompt,
+                 micro_batch_tokens=cfg.micro_batch_tokens)
     all_rows = list(range(len(data)))
-    my_rows = process_rows(data, all_rows, ctx.rank, ctx.world, cfg.shared_prompt)
+    my_rows = process_rows(data, all_rows, ctx.rank, ctx.world, cfg.shared_prompt,
+                           balance=bool(cfg.micro_batch_tokens))
     old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
     ref = None
     if run.ref_model is not None:
@@ -884,6 +941,9 @@ def _summary(run: LearnerRun, parity: dict[str, float], series: list[dict], weig
         "learner/resumed_optimizer": run.resumed is not None,
         "learner/world_size": ctx.world,
         "learner/tokens_per_s": sum(s.get("tokens", 0.0) for s in series) / train_seconds if train_seconds > 0 else 0.0,
+        # the steps' padded tokens (rows x longest row per micro-batch) / their real prompt + response tokens
+        "learner/padded_token_ratio": (sum(s["padded_tokens"] for s in series)
+                                       / max(sum(s["tokens"] for s in series), 1.0)),
         "learner/seconds_per_step": train_seconds / len(series) if series else 0.0,
         "learner/seconds": seconds,
         "learner/peak_rss_mb": _peak_rss_mb(),
