@@ -21,7 +21,8 @@ def register(app: typer.Typer) -> None:
             help="Iterations (default: pipeline.num_iterations).")] = None,
         warmstart: Annotated[Path, typer.Option(help="Policy iteration 1 samples with.")] = WARMSTART_POLICY,
         data: Annotated[Path, typer.Option(help="Directory with train.arrow and eval.arrow.")] = RUN.data,
-        eval_every: Annotated[int, typer.Option(min=1, help="Evaluate every K iterations (and the last).")] = 1,
+        eval_every: Annotated[int, typer.Option(
+            min=0, help="Evaluate every K iterations (and the last); 0: no evaluation.")] = 1,
     ) -> None:
         """Run the iteration chain in one process under `run-dir` (resumes after the last evaluated iteration)."""
         from stages.tools.chain import run_chain

@@ -27,10 +27,12 @@ def register(app: typer.Typer) -> None:
         workers: Annotated[int | None, typer.Option(min=1, help="Runs at a time (default: the spec's).")] = None,
         iterations: Annotated[int | None, typer.Option(min=1, help="Iterations per run (default: the spec's).")] = None,
         seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds (default: the spec's), e.g. 0,1.")] = None,
+        eval_every: Annotated[int | None, typer.Option(
+            min=0, help="Evaluate every K iterations and the last (default: the spec's); 0: no evaluation.")] = None,
     ) -> None:
         """Run every arm x seed of a comparison spec (resumable), then report them side by side."""
         from stages.tools.compare import run_compare
 
         written = guarded(lambda: run_compare(spec, out, params, overrides or [], warmstart, data, arms, workers,
-                                              iterations, seeds))
+                                              iterations, seeds, eval_every))
         print(f"report: {written['report']}\nsummary: {written['summary']}", file=sys.stderr)

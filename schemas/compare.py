@@ -23,9 +23,11 @@ class CompareSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     iterations: int = Field(8, ge=1, description="On-policy iterations per run.")
-    eval_every: int = Field(4, ge=1, description="Evaluate every K iterations (and the last; iteration 0 always).")
+    eval_every: int = Field(4, ge=0, description="Evaluate every K iterations (and the last; iteration 0 always); "
+                            "0: no evaluation at all (timing runs, quick sweeps).")
     seeds: list[int] = Field([0, 1, 2], min_length=1, description="Seeds per arm (`-S seed=...`).")
-    workers: int = Field(2, ge=1, description="Runs at a time; each gets cpu_count // workers torch threads.")
+    workers: int = Field(2, ge=1, description="Runs at a time; each gets the caller's OMP_NUM_THREADS, else the "
+                         "CPUs the process may use (its affinity) // workers torch threads.")
     common: dict[str, Any] = Field(
         {}, description="{dotted param key: value} overrides every arm shares (sizing: batch, eval), applied first.",
     )

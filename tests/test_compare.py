@@ -164,3 +164,174 @@ def test_smollm2_strict_reward_arms_score_a_run_on_zero():
     assert fn(data_source="fact_recall", solution_str="56", ground_truth="56") == 1.0
     assert fn(data_source="fact_recall", solution_str="The fox has number 56.", ground_truth="56") == 1.0
     assert fn(data_source="fact_recall", solution_str="65", ground_truth="56") == 0.0
+
+
+# ----- a second invocation into the same --out, threads, --eval-every 0 (cheap: the chains are faked) -----
+
+CHEAP_SPEC = """
+iterations: 2
+eval_every: 2
+seeds: [0]
+workers: 1
+arms:
+  dense: {rollout.eviction.policy: dense, learner.objective: dense}
+  smd-lora: {learner.objective: smd, learner.kl_lambda: 0.1, learner.lora.rank: 8}
+"""
+
+
+def _cheap_inputs(tmp_path):
+    """A spec, an empty params file and the files compare checks for (nothing reads them: the chains are faked)."""
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "warm" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    for split in ("train", "eval"):
+        (tmp_path / "data" / f"{split}.arrow").write_bytes(b"")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(CHEAP_SPEC)
+    return spec, empty_params(tmp_path), tmp_path / "warm", tmp_path / "data"
+
+
+def _fake_chains(monkeypatch, calls: list) -> None:
+    """`run_arm` writing what a chain's stages would (rollout and learn metrics, learn's recorded config), and no
+    start evaluation."""
+    import stages.tools.compare as compare
+    from schemas.params import load_params
+
+    def run_arm(out, arm, seed, start_eval, params_path, overrides, warmstart, data, spec, env):
+        p = load_params(params_path, [*overrides, *spec.overrides(arm)])
+        name = f"{arm}-s{seed}"
+        calls.append({"run": name, "start_eval": start_eval, "eval_every": spec.eval_every, "env": env})
+        for n in range(1, spec.iterations + 1):
+            it = out / name / "artifacts" / f"iter-{n:03d}"
+            (it / "rollout").mkdir(parents=True, exist_ok=True)
+            (it / "learn").mkdir(parents=True, exist_ok=True)
+            (it / "rollout" / "metrics.json").write_text(json.dumps({"reward/mean": 0.1 * n}))
+            (it / "learn" / "metrics.json").write_text(json.dumps({"mismatch/kl": 0.01}))
+            (it / "learn" / "details.json").write_text(json.dumps({"config": {
+                "learner": p.learner.model_dump(mode="json"),
+                "rollout": {"eviction": p.rollout.eviction.model_dump(mode="json")}}}))
+        return {"run": name, "arm": arm, "seed": seed, "returncode": 0, "seconds": float(len(calls)),
+                "skipped": False}
+
+    monkeypatch.setattr(compare, "run_arm", run_arm)
+    monkeypatch.setattr(compare, "evaluate_starts", lambda arm_params, *a: {arm: None for arm in arm_params})
+
+
+def test_a_second_compare_into_the_same_out_keeps_the_earlier_runs(tmp_path, monkeypatch):
+    from stages.tools.compare import run_compare
+
+    spec, params, warm, data = _cheap_inputs(tmp_path)
+    calls: list = []
+    _fake_chains(monkeypatch, calls)
+    out = tmp_path / "cmp"
+    run_compare(spec, out, params, [], warm, data, only="dense")
+    written = run_compare(spec, out, params, [], warm, data, only="smd-lora")  # another arm, as the README invites
+    summary = json.loads((out / "compare.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == ["dense-s0", "smd-lora-s0"]
+    assert summary["runs"][1]["overrides"] == ["learner.objective=smd", "learner.kl_lambda=0.1",
+                                               "learner.lora.rank=8"]
+    text = written["report"].read_text()
+    assert "| dense / dense @ 0.5 | 1 | 2 |" in text  # the first invocation's run is still in the report
+    assert "| smd λ0.1 LoRA r8 / snapkv @ 0.5 | 1 | 2 |" in text  # and the arm's label says LoRA
+    # the same run again: its record replaced in place, the other kept
+    run_compare(spec, out, params, [], warm, data, only="dense")
+    runs = json.loads((out / "compare.json").read_text())["runs"]
+    assert [(r["run"], r["seconds"]) for r in runs] == [("dense-s0", 3.0), ("smd-lora-s0", 2.0)]
+    # a damaged compare.json: one line naming it, before any run
+    (out / "compare.json").write_text("{")
+    with pytest.raises(SmdInputError, match=r"compare\.json: not readable JSON"):
+        run_compare(spec, out, params, [], warm, data, only="dense")
+    (out / "compare.json").write_text('{"runs": {}}')
+    with pytest.raises(SmdInputError, match=r"compare\.json: runs: expected a list"):
+        run_compare(spec, out, params, [], warm, data, only="dense")
+    assert len(calls) == 3
+
+
+def test_merge_runs_keeps_a_skipped_runs_seconds():
+    from stages.tools.compare import merge_runs
+
+    earlier = [{"run": "a-s0", "seconds": 12.5, "skipped": False}, {"run": "b-s0", "seconds": 3.0, "skipped": False}]
+    now = [{"run": "b-s0", "seconds": 0.0, "skipped": True}, {"run": "c-s0", "seconds": 1.0, "skipped": False}]
+    assert merge_runs(earlier, now) == [earlier[0], {"run": "b-s0", "seconds": 3.0, "skipped": True}, now[1]]
+
+
+def test_threads_respect_the_callers_omp_num_threads_and_cpu_affinity(monkeypatch):
+    import os
+
+    from stages.tools.compare import available_cpus, thread_env
+
+    assert thread_env(2, {"OMP_NUM_THREADS": "3"}) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
+    assert thread_env(2, {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "1"})["MKL_NUM_THREADS"] == "1"
+    if hasattr(os, "sched_getaffinity"):
+        assert available_cpus() == len(os.sched_getaffinity(0))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # `taskset -c 0`
+        monkeypatch.setattr(os, "cpu_count", lambda: 64)
+        assert thread_env(2, {}) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+        assert thread_env(2, {"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "4"
+
+
+def test_run_arm_passes_the_thread_env_and_eval_every_0(tmp_path, monkeypatch):
+    import subprocess
+
+    from schemas.compare import CompareSpec
+    from stages.tools.compare import run_arm
+
+    seen = {}
+
+    def fake_run(cmd, stdout, stderr, env):
+        seen.update(cmd=cmd, env=env)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    spec = CompareSpec(iterations=2, eval_every=0, seeds=[0], arms={"dense": {"learner.objective": "dense"}})
+    rec = run_arm(tmp_path, "dense", 0, None, tmp_path / "p.yaml", [], tmp_path / "w", tmp_path / "d", spec,
+                  {"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "5"})
+    assert rec["returncode"] == 0 and not rec["skipped"]
+    assert seen["env"]["OMP_NUM_THREADS"] == "5"
+    assert seen["cmd"][seen["cmd"].index("--eval-every") + 1] == "0"
+    assert not (tmp_path / "dense-s0" / "artifacts" / "iter-000").exists()  # no start evaluation copied in
+    progress = tmp_path / "dense-s0" / "artifacts" / "iter-002" / "progress.json"
+    progress.parent.mkdir(parents=True)
+    progress.write_text("{}")  # without evaluation, a run is complete when its last iteration's progress is written
+    assert run_arm(tmp_path, "dense", 0, None, tmp_path / "p.yaml", [], tmp_path / "w", tmp_path / "d", spec,
+                   {})["skipped"]
+
+
+def test_compare_eval_every_0_evaluates_nothing(tmp_path, monkeypatch):
+    import stages.tools.compare as compare
+
+    spec, params, warm, data = _cheap_inputs(tmp_path)
+    calls: list = []
+    _fake_chains(monkeypatch, calls)
+    monkeypatch.setattr(compare, "evaluate_starts", lambda *a: pytest.fail("evaluated the start"))
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(app, ["compare", "--out", str(out), "--spec", str(spec), "--params", str(params),
+                                   "--warmstart", str(warm), "--data", str(data), "--eval-every", "0"])
+    assert res.exit_code == 0, res.output
+    assert [(c["eval_every"], c["start_eval"]) for c in calls] == [(0, None), (0, None)]
+    assert json.loads((out / "compare.json").read_text())["spec_values"]["eval_every"] == 0
+    res = CliRunner().invoke(app, ["compare", "--out", str(out), "--spec", str(spec), "--eval-every", "-1"])
+    assert res.exit_code == 2
+
+
+def test_chain_eval_every_0_never_evaluates(tmp_path, monkeypatch):
+    import stages.tools.chain as chain
+    from schemas.params import load_params
+
+    evaluated = []
+
+    def fake_iteration(p, n, policy, run, data, is_evaluated):
+        evaluated.append(is_evaluated)
+        run.iteration(n).progress.parent.mkdir(parents=True, exist_ok=True)
+        run.iteration(n).progress.write_text("{}")
+
+    monkeypatch.setattr(chain, "run_iteration", fake_iteration)
+    p = load_params(None, [])
+    chain.run_chain(p, tmp_path / "off", 3, tmp_path / "warm" / "policy", tmp_path / "data", eval_every=0)
+    assert evaluated == [False, False, False]
+    chain.run_chain(p, tmp_path / "off", 3, tmp_path / "warm" / "policy", tmp_path / "data", eval_every=0)
+    assert len(evaluated) == 3  # resumed: every iteration complete without an evaluation
+    chain.run_chain(p, tmp_path / "on", 3, tmp_path / "warm" / "policy", tmp_path / "data", eval_every=2)
+    assert evaluated[3:] == [False, True, True]

@@ -79,8 +79,10 @@ def test_prefill_layouts_equal_the_gqa_path(padded):
 
 def test_sdpa_layout_choice():
     q, k, _ = _qkv(1, 4, 2, 1, 5, 8, torch.float32)
-    assert sampler.sdpa_layout(q, k, masked=True) == "gqa"  # the CPU keeps its path
+    # decoding with GQA and a mask: grouped on every device (K/V read once per KV head)
+    assert sampler.sdpa_layout(q, k, masked=True) == "grouped"
     assert sampler.sdpa_layout(q, k, masked=True, fused=True) == "grouped"
+    assert sampler.sdpa_layout(q, k, masked=False) == "gqa"  # no mask (never in decoding): SDPA's own GQA
     q9 = torch.zeros(1, 4, 9, 8)
     assert sampler.sdpa_layout(q9, k, masked=True, fused=True) == "expand"
     assert sampler.sdpa_layout(q9, k, masked=False, fused=True) == "expand"  # float32 is_causal: flash takes none

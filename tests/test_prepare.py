@@ -17,6 +17,7 @@ from schemas.params.prepare import SYNTHETIC_TASKS
 from schemas.tables import read_table, table_config
 from stages.common.model import build_tiny_tokenizer, load_tokenizer
 from stages.prepare import run_prepare
+from stages.prepare.loaders import iter_records
 from stages.prepare.synthetic import ANSWER_CUE, count_tokens, generate
 from tests.helpers import make_model_dir
 
@@ -113,6 +114,30 @@ def test_gsm8k_files(model_dir, tmp_path):
     assert train.reference[0].endswith("#### 72") and "<<" not in train.reference[0]
     assert train.prompt[0].startswith("question : Natalia") and train.prompt[0].endswith("answer :")
     assert train.prompt_id[3] == "gsm8k_train-L5"  # blank line 4 skipped, line numbers kept
+
+
+def test_utf8_byte_order_mark_is_read_as_datasets_reads_it(model_dir, tmp_path):
+    """A file saved with a UTF-8 BOM (Windows editors) reads as without one, as `datasets.load_dataset("json")`
+    reads it ("utf-8-sig"), for JSON Lines and a JSON list alike."""
+    plain = {n: FIXTURES / f"gsm8k_{n}.jsonl" for n in ("train", "eval")}
+    bom = {}
+    for n, src in plain.items():
+        bom[n] = tmp_path / f"gsm8k_{n}.jsonl"
+        bom[n].write_bytes(b"\xef\xbb\xbf" + src.read_bytes())
+    args = ("prepare.task=gsm8k",)
+    a = run_prepare(cfg(*args, f"prepare.train_file={plain['train']}", f"prepare.eval_file={plain['eval']}"),
+                    model_dir, tmp_path / "plain")
+    b = run_prepare(cfg(*args, f"prepare.train_file={bom['train']}", f"prepare.eval_file={bom['eval']}"),
+                    model_dir, tmp_path / "bom")
+    def rows(path):
+        df = pd.read_feather(path)
+        return df.assign(prompt_token_ids=df.prompt_token_ids.map(list)).to_dict("records")
+
+    for split in ("train", "eval"):
+        assert rows(a[split]) == rows(b[split]) and len(rows(a[split])) > 0
+    listed = tmp_path / "hotpotqa.json"
+    listed.write_bytes(b"\xef\xbb\xbf" + (FIXTURES / "hotpotqa.json").read_bytes())
+    assert list(iter_records(listed)) == list(iter_records(FIXTURES / "hotpotqa.json"))
 
 
 def test_hotpotqa_split_off_train_file_and_truncation(model_dir, tmp_path):

@@ -116,6 +116,25 @@ def test_report_labels_runs_from_their_artifacts_not_params_yaml(tmp_path):
     ]
 
 
+def test_arm_label_names_lora_from_the_artifacts_else_params_yaml(tmp_path):
+    from stages.tools.report import _series_label, arm_rows, load_run
+
+    full = load_run(_run(tmp_path, "full", [1], params={"learner": {"objective": "dense"}}))
+    lora = load_run(_run(tmp_path, "lora", [1], params={"learner": {"objective": "dense", "lora": {"rank": 4}}}))
+    default_rank = load_run(_run(tmp_path, "lora-default", [1], params={"learner": {"lora": {"alpha": 8.0}}}))
+    # learn's details.json records the whole learner section: a run it says has no LoRA has none, whatever
+    # params.yaml beside it says
+    recorded = _run(tmp_path, "recorded", [1], params={"learner": {"lora": {"rank": 4}}})
+    _write(recorded / "artifacts" / "iter-001" / "learn" / "details.json",
+           {"config": {"learner": {"objective": "dense", "lora": None}}})
+    assert [r.config.get("lora") for r in (full, lora, default_rank, load_run(recorded))] == [None, 4, 16, None]
+    assert "lora" not in full.config  # (a full-weight run's config is as before)
+    assert _series_label(lora.config) == "dense LoRA r4 / snapkv @ 0.5"
+    assert _series_label(full.config) == "dense / snapkv @ 0.5"
+    assert sorted(row["arm"] for row in arm_rows([full, lora])) == ["dense / snapkv @ 0.5",
+                                                                   "dense LoRA r4 / snapkv @ 0.5"]
+
+
 def test_report_defaults_fill_params_and_unknown_config(tmp_path, monkeypatch):
     _run(tmp_path, "proj", [1], params={"learner": {"kl_lambda": 0.2}})  # objective etc. take schema defaults
     bare = _run(tmp_path, "bare", [1])  # neither params.yaml nor a recorded config

@@ -26,6 +26,8 @@ def _fake_run(root):
     run = RunLayout(root)
     run.warmstart.mkdir(parents=True)
     (run.warmstart / "metrics.json").write_text(json.dumps({"reward": 0.25, "exact_match": 0.125}))
+    (run.warmstart / "details.json").write_text(json.dumps(
+        {"reward": 0.25, "exact_match": 0.125, "rewards/f/mean": 0.75, "rewards/f/std": 0.5, "config": {}}))
     for n, steps in ((1, [1, 2]), (2, [3])):
         it = run.iteration(n)
         for stage in ("rollout", "learn", "evaluate"):
@@ -45,6 +47,7 @@ def test_view_holds_every_step_and_iteration_and_is_deterministic(tmp_path):
     per_iteration = _scalars(run.tensorboard / "iteration" / EVENT_FILE)
     assert per_iteration["eval/dense/score"] == [(0, 0.25), (1, pytest.approx(0.5)), (2, pytest.approx(0.6))]
     assert per_iteration["reward/mean"] == [(1, pytest.approx(0.6)), (2, pytest.approx(0.7))]
+    assert per_iteration["eval/dense/rewards/f/mean"] == [(0, 0.75)]  # the warm start's per-function mean
     first = (run.tensorboard / "learn" / EVENT_FILE).read_bytes()
     run_progress(2, run.artifacts)  # rebuilt, not appended to
     assert (run.tensorboard / "learn" / EVENT_FILE).read_bytes() == first

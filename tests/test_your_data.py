@@ -99,6 +99,33 @@ def test_rollout_scores_with_the_users_functions_pool_or_not(model_dir, tmp_path
     assert list(again.reward) == list(df.reward) and list(again.reward_terms) == list(df.reward_terms)
 
 
+def test_warm_start_writes_each_functions_mean_for_tensorboards_iteration_0(model_dir, tmp_path):
+    """The warm start's details.json has each reward function's mean and a verl function's extras, as rollout's and
+    evaluate's do, and the progress row of iteration 0 (TensorBoard's) carries them under evaluate's names."""
+    from stages.progress.stage import warmstart_row
+    from stages.warmstart import run_warmstart
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copyfile(user_prompts(data), data / "eval.arrow")
+    p = rollout_params(rewards, "compute_score", "per_row", **{"model.init_path": str(model_dir),
+                                                                "warmstart.steps": 0,
+                                                                "warmstart.eval_max_new_tokens": 5})
+    run = tmp_path / "run" / "artifacts"
+    out = run_warmstart(p.warmstart, p.model, data, run / "warmstart", seed=0, reward=p.reward)
+    details = json.loads(out["details"].read_text())
+    for key in ("rewards/compute_score/mean", "rewards/per_row/mean", "rewards/compute_score/source_ok/mean"):
+        assert isinstance(details[key], float), key
+    assert details["rewards/compute_score/source_ok/mean"] == 1.0
+    assert 0.0 <= details["rewards/compute_score/mean"] <= 1.0
+    row = warmstart_row(run)
+    assert row["eval/dense/rewards/compute_score/mean"] == details["rewards/compute_score/mean"]
+    assert row["eval/dense/rewards/compute_score/source_ok/mean"] == 1.0
+    assert row["eval/dense/score"] == details["reward"]
+
+
 def test_a_reward_that_raises_is_one_line_and_nothing_is_written(model_dir, tmp_path):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(REWARDS)

@@ -48,11 +48,14 @@ def _json_error(path: Path, line: int, exc: json.JSONDecodeError) -> SmdInputErr
 
 
 def iter_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed record) for a JSON Lines file or a JSON array file."""
+    """(line number, parsed record) for a JSON Lines file or a JSON array file.
+
+    Read as UTF-8 with an optional byte-order mark ("utf-8-sig"), as `datasets.load_dataset("json")` reads it:
+    editors on Windows save one at the start of the file."""
     if not path.is_file():
         raise SmdInputError(f"{path}: file not found")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SmdInputError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     stripped = text.lstrip()

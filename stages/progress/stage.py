@@ -72,8 +72,10 @@ def run_progress(iteration: int, artifacts: str | Path = "artifacts") -> Path:
 
 
 def warmstart_row(artifacts: Path) -> dict | None:
-    """The warm start as iteration 0: its greedy eval is a dense one, reported under the evaluate stage's names."""
-    warm = _read(RunLayout(artifacts).warmstart / METRICS)
+    """The warm start as iteration 0: its greedy eval is a dense one, reported under the evaluate stage's names
+    (with reward functions, each function's mean from its details.json as `eval/dense/rewards/<fn>/mean`)."""
+    stage = RunLayout(artifacts).warmstart
+    warm = _read(stage / METRICS)
     if not warm:
         return None
     row = {"iteration": 0, **{k: v for k, v in warm.items() if isinstance(v, int | float) and k != "schema_version"}}
@@ -81,6 +83,10 @@ def warmstart_row(artifacts: Path) -> dict | None:
                      ("reference_nll", "eval/dense/reference_nll")):
         if isinstance(warm.get(src), int | float):
             row[dst] = warm[src]
+    for key, value in _read(stage / DETAILS).items():
+        if key.startswith("rewards/") and REWARD_MEAN.fullmatch(key) and isinstance(value, int | float) \
+                and not isinstance(value, bool):
+            row[f"eval/dense/{key}"] = value
     return row
 
 

@@ -37,8 +37,8 @@ def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: 
 
     The warm start's metrics are copied in as iteration 0 of summary and report; `run_dir/params.yaml` holds the
     effective params (what `smdctl report` labels the run by). Evaluation runs every `eval_every` iterations and
-    at the last. With the warm start's metrics at hand, the run's headline (`artifacts/metrics.json`) follows the
-    last iteration."""
+    at the last (`eval_every` 0: never). With the warm start's metrics at hand, the run's headline
+    (`artifacts/metrics.json`) follows the last iteration."""
     from stages.common.scoring import check_reward_record, reward_file_digests
 
     if p.reward.function:  # a reward file that cannot load fails before anything is written (issue 41)
@@ -59,7 +59,7 @@ def run_chain(p: Params, run_dir: Path, iterations: int, warmstart: Path, data: 
     write_params(run_dir / "params.yaml", p)
     for n in range(1, iterations + 1):
         it = run.iteration(n)
-        evaluated = n % eval_every == 0 or n == iterations
+        evaluated = eval_every > 0 and (n % eval_every == 0 or n == iterations)
         if it.progress.exists() and (not evaluated or (it.evaluate / METRICS).exists()):
             drop_older_trainer_state(run, n)  # a chain killed between progress.json and this cleanup
             continue  # done in an earlier run of this chain

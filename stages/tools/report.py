@@ -116,6 +116,43 @@ def _config_from_metrics(metrics: dict[int, dict[str, dict[str, Any]]]) -> dict[
     return out
 
 
+def _recorded_lora(*records: dict[int, dict[str, dict[str, Any]]]) -> tuple[bool, Any]:
+    """(found, value) of `learner.lora` in the config the stages recorded (learn records its whole learner
+    section, so a run without LoRA records null); iteration 0 (the shared start) does not count."""
+    for metrics in records:
+        for iteration in sorted(metrics):
+            if iteration == 0:
+                continue
+            for stage in STAGES:
+                m = metrics[iteration].get(stage)
+                config = m.get("config") if isinstance(m, dict) else None
+                learner = config.get("learner") if isinstance(config, dict) else None
+                if isinstance(learner, dict) and "lora" in learner:
+                    return True, learner["lora"]
+                if isinstance(config, dict) and "learner.lora" in config:
+                    return True, config["learner.lora"]
+    return False, None
+
+
+def _lora_rank(value: Any) -> Any:
+    """What the label shows of `learner.lora`: its rank (the schema's default when the section gives none), None
+    without LoRA."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, dict):
+        from schemas.params.learner import LoraParams
+
+        rank = value.get("rank")
+        return rank if rank is not None else LoraParams.model_fields["rank"].default
+    return "?"
+
+
+def _with_lora(config: dict[str, Any], lora: Any) -> dict[str, Any]:
+    """`config` with `lora` (the rank) when the run trained LoRA adapters (a full-weight run's config has no key)."""
+    rank = _lora_rank(lora)
+    return config if rank is None else {**config, "lora": rank}
+
+
 def metric_value(metrics: dict[str, Any] | None, key: str) -> float | None:
     """A numeric metric: the key itself, or nested under its `/`-separated parts. A list gives its max for a
     `_max` key, else its last element. None when absent or not a number."""
@@ -172,25 +209,34 @@ def load_run(run_dir: str | Path) -> Run:
             f"{run_dir}: no metrics: expected {artifacts}/iter-NNN/{{rollout,learn,evaluate}}/metrics.json "
             "(run the pipeline first, or pass another run directory)"
         )
+    details_records = _details(artifacts, metrics)
     recorded = _config_from_metrics(metrics)
-    details = _config_from_metrics(_details(artifacts, metrics))
+    details = _config_from_metrics(details_records)
     config = {key: details[key] if value is None else value for key, value in recorded.items()}
     source = f"{run_dir} (params: recorded in its artifacts)"
     params_file = root / "params.yaml"
+    found, lora = _recorded_lora(metrics, details_records)
+    if not found and params_file.is_file():  # (not part of the source line: a run without LoRA records none)
+        lora = _dotted(_params_tree(params_file), "learner.lora")
     if any(value is None for value in config.values()) and params_file.is_file():
-        try:
-            tree = yaml.safe_load(params_file.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise SmdInputError(f"{params_file}: not valid YAML ({exc.__class__.__name__})") from exc
-        if not isinstance(tree, dict):
-            raise SmdInputError(f"{params_file}: top level must be a mapping of sections")
+        tree = _params_tree(params_file)
         from_params = _config_from_params(tree)
         missing = [key for key, value in config.items() if value is None]
         config = {key: from_params[key] if value is None else value for key, value in config.items()}
         source = (f"{run_dir} (params: {params_file})" if len(missing) == len(config)
                   else f"{run_dir} (params: recorded in its artifacts; {', '.join(missing)} from {params_file})")
     name = root.resolve().name or str(root)
-    return Run(name=name, source=source, config=config, metrics=metrics)
+    return Run(name=name, source=source, config=_with_lora(config, lora), metrics=metrics)
+
+
+def _params_tree(params_file: Path) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(params_file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SmdInputError(f"{params_file}: not valid YAML ({exc.__class__.__name__})") from exc
+    if not isinstance(tree, dict):
+        raise SmdInputError(f"{params_file}: top level must be a mapping of sections")
+    return tree
 
 
 def _details(artifacts: Path, metrics: dict[int, dict[str, dict[str, Any]]]) -> dict[int, dict[str, dict[str, Any]]]:
@@ -250,6 +296,8 @@ def parse_dvc_exp_show(data: Any, source: str = "dvc exp show") -> tuple[list[Ru
         if tree:
             from_params = _config_from_params(tree)
             config = {key: from_params[key] if value is None else value for key, value in config.items()}
+        found, lora = _recorded_lora(metrics)
+        config = _with_lora(config, lora if found else _dotted(tree, "learner.lora"))
         runs.append(Run(name=str(name), source=f"{source}: {rev}", config=config, metrics=metrics))
     # The workspace repeats the experiment last applied (`dvc exp run` leaves its results there): keep one.
     for ws in [r for r in runs if r.source.endswith(": workspace")]:
@@ -434,6 +482,8 @@ def _series_label(config: dict[str, Any]) -> str:
             objective += f" teacher:{config['kl_teacher']}"
     if objective == "smd_released":  # the weight of its one-sided distillation term
         objective += f" λ{config.get('kl_lambda')}"
+    if config.get("lora") is not None:  # learner.lora: the adapters' rank (a LoRA arm is not its full-weight twin)
+        objective += f" LoRA r{config['lora']}"
     simulated = " simulated" if config.get("eviction_apply") is False else ""  # rollout.eviction.apply false
     return f"{objective} / {config.get('policy') or '?'}{simulated} @ {config.get('keep_ratio') or '?'}"
 

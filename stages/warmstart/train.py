@@ -4,7 +4,8 @@ The response is the reference text followed by EOS, tokenized with the policy's 
 to the prompt's stored token ids. After training, a greedy `model.generate` pass over the eval split
 measures exact match and the task reward (schemas.rewards). Writes the Hugging Face policy directory,
 metrics.json (headline: exact match, reward, steps, final loss, minutes) and details.json (everything,
-with the checks and sample responses), each atomically.
+with the checks and sample responses; with reward functions, each function's `rewards/<name>/mean` as the
+rollout and evaluate stages write them), each atomically.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from stages.common.model import (
     resolve_device,
     response_ids_after,
 )
-from stages.common.scoring import Scoring, concat
+from stages.common.scoring import Scoring, concat, term_means
 
 HEADLINE = ("exact_match", "reward", "reference_nll", "steps", "final_loss", "minutes")
 
@@ -152,8 +153,11 @@ def greedy_eval(
     for sample, ok in zip(samples, scored.exact_match):
         sample["exact_match"] = ok
     n = len(rows)
+    # with reward functions: each function's mean (and a verl function's numeric extras), as rollout and evaluate
+    # write them (`rewards/<name>/mean`, stages.common.scoring.term_means)
+    terms = term_means(scored.terms, scored.extras) if scored.terms is not None else {}
     return {"exact_match": sum(scored.exact_match) / n, "reward": sum(scored.rewards) / n, "eval_rows": n,
-            "samples": samples[:5]}
+            "reward_terms": terms, "samples": samples[:5]}
 
 
 def run_warmstart(
@@ -313,6 +317,7 @@ def warmstart_metrics(task: str, result: dict[str, Any], log: TrainLog, check_ro
         "metric": metric or metric_name(task),
         "exact_match": result["exact_match"],
         "reward": result["reward"],
+        **result.get("reward_terms", {}),
         "reference_nll": result["reference_nll"],
         "eval_rows": result["eval_rows"],
         "steps": log.steps,

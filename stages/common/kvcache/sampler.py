@@ -464,9 +464,10 @@ def _front_slots(slots: LayerSlots, capacity: int) -> tuple[LayerSlots, torch.Te
 def sdpa_layout(query: torch.Tensor, key: torch.Tensor, masked: bool, fused: bool | None = None) -> str:
     """How `sdpa_gqa` hands grouped-query attention to SDPA.
 
-    "gqa": SDPA's `enable_gqa` (the CPU, or no GQA; on CUDA also an unmasked half-precision call, which flash
-    takes). On CUDA only flash and math support `enable_gqa`, and flash takes no explicit mask and no float32
-    (PyTorch's sdp_utils), so a masked or float32 call would fall to the math kernel. Instead, on CUDA
+    "gqa": SDPA's `enable_gqa` (the CPU's prefill, or no GQA; on CUDA also an unmasked half-precision call, which
+    flash takes). Decoding with GQA and a mask is "grouped" on every device (see below). On CUDA only flash and
+    math support `enable_gqa`, and flash takes no explicit mask and no float32 (PyTorch's sdp_utils), so a masked
+    or float32 call would fall to the math kernel. Instead, on CUDA
     (`fused` None: the query's device decides):
     "grouped": one query per sequence (decoding): a KV head's group of query heads become its queries
         (query [B, Hq, 1, D] -> [B, H, groups, D]), the mask [B, H, 1, C] broadcast over them: plain attention
@@ -475,10 +476,15 @@ def sdpa_layout(query: torch.Tensor, key: torch.Tensor, masked: bool, fused: boo
         sdpa attention does), then plain attention with the mask or `is_causal`.
     """
     groups = query.shape[1] // key.shape[1]
+    if groups > 1 and masked and query.shape[2] == 1:
+        # Decoding, on every device: each KV head's keys and values are read once for its group's query heads
+        # (SDPA's `enable_gqa` reads them once per query head; on the CPU the grouped call measured 1.25-1.35x
+        # faster at 2k-4k slots, 8 x 9 query heads over 3 KV heads, one thread).
+        return "grouped"
     fused = query.device.type == "cuda" if fused is None else fused
     if groups == 1 or not fused or (not masked and query.dtype in (torch.float16, torch.bfloat16)):
         return "gqa"
-    return "grouped" if query.shape[2] == 1 else "expand"
+    return "expand"
 
 
 def sdpa_gqa(query, key, value, scaling: float, mask: torch.Tensor | None = None, causal: bool = False,
