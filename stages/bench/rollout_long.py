@@ -243,7 +243,8 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
                 print_fn(f"{P:>6} {N:>5} {batch_size:>5} {e:>13}  failed (out of memory or past the timeout)")
                 continue
             r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            r["decode_tokens_per_s"] = r["batch"] * (N - 1) / max(r["seconds"] - r["prefill_s"], 1e-9)
+            decode_s = r["seconds"] - r["prefill_s"]  # not positive when a noisy neighbour slowed the prefill run
+            r["decode_tokens_per_s"] = r["batch"] * (N - 1) / decode_s if decode_s > 0 else float("nan")
             r["peak_per_seq_mib"] = (r["peak_mib"] - r["held_mib"]) / r["batch"]
             res[e] = r
         for e, r in res.items():
