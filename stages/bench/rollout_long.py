@@ -22,6 +22,7 @@ affinity; random prompts (seeded by length), temperature 1, EOS ignored, exactly
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,38 +50,13 @@ def parse_cases(text: str | None) -> list[tuple[int, int]]:
     return cases
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-
-
 def _held_mib(device) -> float:
+    """What the process holds now: allocated CUDA memory on a GPU, else the resident set."""
     import torch
 
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    return _status_mib("VmRSS")
+    from stages.bench.rollout import _rss_mib
 
-
-def _peak_mib(device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return _status_mib("VmHWM")
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else _rss_mib()
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +65,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from schemas.params.rollout import EvictionParams
-    from stages.bench.rollout import hf_generate
+    from stages.bench.rollout import _peak_mib, _reset_peak, hf_generate
     from stages.common.kvcache.sampler import generate_batch
     from stages.common.model import load_policy, place_model, resolve_device
 
@@ -147,18 +123,13 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _weights_mib(model_dir: Path) -> float:
-    """Bytes of the model's float32 weights, from its safetensors headers (what vLLM loads)."""
+    """Bytes of the model's float32 weights, from its safetensors files' shapes (what vLLM loads)."""
+    from safetensors import safe_open
+
     total = 0
     for f in model_dir.glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in t["shape"]:
-                    count *= d
-                total += count * 4
+        with safe_open(str(f), "pt") as fh:
+            total += sum(math.prod(fh.get_slice(name).get_shape()) for name in fh.keys()) * 4
     return total / 2**20
 
 

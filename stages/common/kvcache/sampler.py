@@ -310,14 +310,7 @@ def _prefill_chunk(st: RolloutState, layer: int, query, key, value, scaling: flo
         elif need == "window":
             st.prefill_obs = query.new_zeros(rows, query.shape[1], w, query.shape[-1])
     if need == "all":
-        out = torch.empty_like(query)
-        for start in range(q0, q1, _PREFILL_CHUNK):
-            stop = min(start + _PREFILL_CHUNK, q1)
-            part_out, part = _attend_grouped(query[:, :, start - q0: stop - q0], key[:, :, :stop],
-                                             value[:, :, :stop], st.prefill_mask(start, stop, stop, slice(r0, r1)),
-                                             scaling, H, sum_queries=True)
-            out[:, :, start - q0: stop - q0] = part_out
-            st.prefill_obs[r0:r1, ..., :stop] += part
+        out = _explicit_prefill(st, query, key, value, scaling, q0, slice(r0, r1), st.prefill_obs[r0:r1])
     elif q0 == 0 and not st.padded:  # queries and keys both start at 0: SDPA's causal kernel
         out = sdpa_gqa(query, key, value, scaling, causal=True)
     else:
@@ -408,16 +401,8 @@ def _prefill_output(st: RolloutState, query, key, value, scaling: float):
     B, H, P, _ = key.shape
     need = st.policy.needs_attention
     if need == "all":
-        # Output and column sums from one explicit pass, chunked over queries to bound memory.
         attn_obs = query.new_zeros(B, H, 1, P, dtype=torch.float32)
-        out = torch.empty_like(query)
-        for start in range(0, P, _PREFILL_CHUNK):
-            end = min(start + _PREFILL_CHUNK, P)  # causal: keys beyond the chunk get no attention
-            part_out, part = _attend_grouped(query[:, :, start:end], key[:, :, :end], value[:, :, :end],
-                                             st.prefill_mask(start, end, end), scaling, H, sum_queries=True)
-            out[:, :, start:end] = part_out
-            attn_obs[..., :end] += part
-        return out, attn_obs
+        return _explicit_prefill(st, query, key, value, scaling, 0, slice(None), attn_obs), attn_obs
     if st.padded:
         out = sdpa_gqa(query, key, value, scaling, mask=st.prefill_mask(0, P, P))
     else:  # no mask: SDPA may take its fused (flash / memory-efficient) kernels, as transformers' sdpa does
@@ -428,6 +413,24 @@ def _prefill_output(st: RolloutState, query, key, value, scaling: float):
         return out, _attend_grouped(query[:, :, end - w: end], key, None, st.prefill_mask(end - w, end, P),
                                     scaling, H)[1]
     return out, None
+
+
+def _explicit_prefill(st: RolloutState, query, key, value, scaling: float, q0: int, rows: slice,
+                      obs: torch.Tensor) -> torch.Tensor:
+    """The output of prompt queries q0.. (of the prefill's rows `rows`) from one explicit softmax pass per
+    `_PREFILL_CHUNK` queries (bounding memory), each over the keys up to its end (causal: later keys get no
+    attention); adds the attention each key got, summed over the queries and each GQA group, into `obs`
+    [rows, H, 1, P] float32 (H2O's column sums)."""
+    out = torch.empty_like(query)
+    q1 = q0 + query.shape[2]
+    for start in range(q0, q1, _PREFILL_CHUNK):
+        stop = min(start + _PREFILL_CHUNK, q1)
+        part_out, part = _attend_grouped(query[:, :, start - q0: stop - q0], key[:, :, :stop], value[:, :, :stop],
+                                         st.prefill_mask(start, stop, stop, rows), scaling, key.shape[1],
+                                         sum_queries=True)
+        out[:, :, start - q0: stop - q0] = part_out
+        obs[..., :stop] += part
+    return out
 
 
 def _prompt_slots(prompt_pad: torch.Tensor, num_kv_heads: int, P: int) -> LayerSlots:
@@ -523,8 +526,8 @@ def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: f
     H = key.shape[1]
     valid = (slots.slot_pos >= 0).unsqueeze(2)  # [B, H, 1, C]
     observe = st.decode_observation
+    lay = cache.layers[layer]
     if st.shares_storage:
-        lay = cache.layers[layer]
         out, probs = attend_shared_prompt(query, lay.prompt_keys, lay.prompt_values, key, value, valid, scaling,
                                           st.group_rows, st.group_index)
         if observe == "every_step":
@@ -541,7 +544,6 @@ def decode_attention(st: RolloutState, layer: int, query, key, value, scaling: f
         st.window_queries[layer].index_copy_(2, st.window_entry, query)
     if st.step_excess > 0:
         if observe == "window_queries":
-            lay = cache.layers[layer]
             st.policy.observe_window(layer, slots, window_attention(st, layer, lay, key, scaling))
         sc = st.policy.scores(layer, slots)
         evict(slots, sc, st.step_keep, st.current_pos, st.eviction["sinks"], st.step_window,

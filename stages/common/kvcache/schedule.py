@@ -87,10 +87,8 @@ def budget_schedule(prompt_lens: np.ndarray, max_new_tokens: int, eviction: dict
             cached = np.minimum(cached, step_keep[s])
         else:
             excess.append(0)
-    if int(eviction.get("interval", 1) or 1) > 1 and eviction.get("compress", "every_step") == "every_step":
-        # A sawtooth: the largest budget may come before the last step (just before an eviction).
-        every_n = lens[None, :] + np.arange(1, max_new_tokens + 1, dtype=np.int64)[:, None]
-        capacity = int(np.max(budget_array(every_n, eviction, lens[None, :])))
-    else:
-        capacity = int(np.max(budget_array(lens + max_new_tokens, eviction, lens)))
+    # The largest budget of any length up to the longest: the last one's unless an interval makes it a sawtooth
+    # (largest just before an eviction).
+    every_n = lens[None, :] + np.arange(min(1, max_new_tokens), max_new_tokens + 1, dtype=np.int64)[:, None]
+    capacity = int(np.max(budget_array(every_n, eviction, lens[None, :])))
     return BudgetSchedule(prefill_keep=prefill_keep, step_keep=step_keep, step_excess=excess, capacity=capacity)
