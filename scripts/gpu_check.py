@@ -59,7 +59,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 PARTS = ("preflight", "correctness", "rollout", "learner", "e2e")
-ENGINES = ("smd snapkv 0.5", "smd snapkv 0.5 k64", "smd dense", "hf generate")
+# "k64": rollout.eviction.interval 64; "compiled": rollout.compile (the decoding step, eviction included, as one
+# captured graph: CUDA graphs); the compiled engines run after the eager ones, so a slow compile cuts only them
+ENGINES = ("smd snapkv 0.5", "smd snapkv 0.5 k64", "smd dense", "hf generate", "smd snapkv 0.5 k64 compiled",
+           "smd dense compiled")
 PREFILL_CHUNK_TOKENS = 2048  # rollout.prefill_chunk_tokens' default (the layer-by-layer prefill, issue 54)
 LEARNERS = ("dense", "smd_flex", "smd_gather")
 LEARNER_LABELS = {"dense": "dense learner", "smd_flex": "smd (flex)", "smd_gather": "physical KV slicing",
@@ -450,10 +453,11 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
     _sync(device)
     _peak_reset(device)
     host = {"seconds": 0.0}
+    steps = {"seconds": float("nan"), "kv_bytes": float("nan")}
     t0 = time.perf_counter()
     if engine.startswith("smd"):
         # "k64": rollout.eviction.interval 64 (issue 54: evict every 64 steps, SnapKV without its ring)
-        interval = 64 if engine.endswith("k64") else 1
+        interval = 64 if " k64" in engine else 1
         eviction = (EvictionParams(policy="snapkv", keep_ratio=0.5, interval=interval) if "snapkv" in engine
                     else EvictionParams(policy="dense"))
         timed = sampler.sample_results
@@ -466,14 +470,27 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
             finally:
                 host["seconds"] += time.perf_counter() - h0
 
-        sampler.sample_results = untimed
+        decode = sampler.decode
+
+        def timed_decode(*a, **kw):  # the decoding steps alone (the prefill excluded): their floor is below
+            _sync(device)
+            d0 = time.perf_counter()
+            try:
+                return decode(*a, **kw)
+            finally:
+                _sync(device)
+                steps["seconds"] = time.perf_counter() - d0
+
+        sampler.sample_results, sampler.decode = untimed, timed_decode
         try:
             _, stats = sampler.generate_batch(model, prompts, eviction, new_tokens, eos_token_id=None,
                                               generator=torch.Generator(device="cpu").manual_seed(0),
-                                              prefill_chunk_tokens=PREFILL_CHUNK_TOKENS)
+                                              prefill_chunk_tokens=PREFILL_CHUNK_TOKENS,
+                                              compile=engine.endswith(" compiled"))
         finally:
-            sampler.sample_results = timed
+            sampler.sample_results, sampler.decode = timed, decode
         generated = stats.generated_tokens
+        steps["kv_bytes"] = float(stats.cache_bytes)
     elif engine == "hf generate":
         ids = torch.tensor(prompts, dtype=torch.long, device="cpu").to(device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -484,8 +501,28 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
         raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
     _sync(device)
     seconds = time.perf_counter() - t0 - host["seconds"]
+    # a decoding step reads every weight and the whole slot cache once at least (the cache's capacity: its
+    # physical bytes, what smd's decode attention reads); the floor is those bytes at the device's bandwidth
+    step_s = steps["seconds"] / max(new_tokens - 1, 1)
+    read = sum(p.numel() * p.element_size() for p in model.parameters()) + steps["kv_bytes"]
+    floor_s = read / hbm_bandwidth(device)
     return {"seconds": seconds, "tokens_per_s": generated / seconds, "peak_bytes": _peak_bytes(device),
-            "generated": float(generated), "host_seconds": host["seconds"]}
+            "generated": float(generated), "host_seconds": host["seconds"], "step_s": step_s, "floor_s": floor_s}
+
+
+# Peak memory bandwidth, bytes/s, by the device's name (the vendors' data sheets: H200 4.8 TB/s, H100 SXM
+# 3.35 TB/s, H100 PCIe 2.0 TB/s, A100 80GB SXM 2.039 TB/s); another device has no floor column (nan)
+HBM_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12))
+
+
+def hbm_bandwidth(device) -> float:
+    """The device's peak memory bandwidth in bytes/s (`HBM_BANDWIDTH`), nan where unknown (the CPU)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in HBM_BANDWIDTH if key in name), float("nan"))
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:
@@ -589,11 +626,14 @@ def rollout_part(shape: str = "qwen3-1.7b", device: str = "cuda", dtype: str = "
             memory = ("peak n/a on the CPU" if math.isnan(r["peak_bytes"]) else
                       f"peak {r['peak_bytes'] / GIB:.2f} GiB")
             host = f", host bookkeeping {r['host_seconds']:.2f}s untimed" if r["host_seconds"] else ""
+            step = "" if math.isnan(r["step_s"]) else (
+                f", decode step {r['step_s'] * 1e3:.2f} ms = {_num(r['step_s'] / r['floor_s'], '.1f')}x its HBM "
+                f"floor {_num(r['floor_s'] * 1e3, '.2f')} ms")
             rows.append(log.add(Row("rollout", item, f"{r['tokens_per_s']:.0f} tok/s",
                                     f"{_num(ratio, '.2f')}x generate, {memory}, {new_tokens} new tokens in "
-                                    f"{r['seconds']:.2f}s{host}")))
+                                    f"{r['seconds']:.2f}s{host}{step}")))
     if budget_gib is not None:
-        for engine in engines:
+        for engine in (e for e in engines if not e.endswith(" compiled")):  # compiling changes no tensor's size
             item = f"largest batch P={budget_length} in {budget_gib:g} GiB {engine}"
             log.start("rollout", item)
             try:

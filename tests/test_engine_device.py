@@ -102,3 +102,33 @@ def test_compiled_decode_step_gives_the_eager_trajectories(model):
         assert np.array_equal(a.evict_at, b.evict_at)
         bound = torch.finfo(torch.float32).eps * max(cfg.hidden_size, cfg.vocab_size) * max(map(abs, a.logprobs))
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= bound
+
+
+@pytest.mark.parametrize("policy,interval,share", [
+    ("snapkv", 1, True), ("snapkv", 8, True), ("snapkv", 8, False), ("h2o", 1, True), ("h2o", 4, False),
+    ("recent", 1, True), ("random", 1, True), ("random", 4, False), ("dense", 1, True),
+])
+def test_the_decoding_step_and_its_eviction_are_one_captured_graph(model, monkeypatch, policy, interval, share):
+    """rollout.compile captures the whole decoding step, the eviction included, for every policy, every-step and
+    amortized (issue 54, item 4): TorchDynamo with `fullgraph=True` raises at any graph break. The `eager` backend
+    runs the captured graph op by op (no Inductor kernels), so tokens, log-probs and shadow masks equal eager's
+    exactly; Inductor's own float rounding is `test_compiled_decode_step_gives_the_eager_trajectories`'s. At most
+    one graph per shape the step takes: no eviction, an every-step eviction, an interval's sorting eviction."""
+    from torch._dynamo.utils import counters
+
+    from stages.common.kvcache import sampler
+
+    torch._dynamo.reset()
+    counters.clear()
+    captured = torch.compile(sampler._decode_step, backend="eager", fullgraph=True)
+    monkeypatch.setattr(sampler, "compiled_decode_step", lambda _model: captured)
+    prompts = PROMPTS + PROMPTS[:2]  # two GRPO-like groups share a prompt
+    runs = []
+    for compile in (True, False):
+        ev = EvictionParams(policy=policy, keep_ratio=0.5, window=4, interval=interval)
+        generator = torch.Generator(device="cpu").manual_seed(3)
+        runs.append(generate_batch(model, prompts, ev, 24, None, 0, 1.0, generator=generator, compile=compile,
+                                   share_prompt=share)[0])
+    assert _rows(runs[0]) == _rows(runs[1])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3
+    torch._dynamo.reset()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import threading
 import time
@@ -27,8 +28,12 @@ def gpu_check():
 
 def test_rollout_part_at_the_tiny_shape_on_cpu(gpu_check, tmp_path):
     log = gpu_check.RowLog(tmp_path / "rows.jsonl")
+    # the compiled engines (rollout.compile) are left out here: Inductor's CPU compile is the slow test's
+    # (tests/test_engine_device.py), and their rows are the eager engines' rows
+    engines = tuple(e for e in gpu_check.ENGINES if not e.endswith(" compiled"))
+    assert engines != gpu_check.ENGINES and all(e.replace(" compiled", "") in engines for e in gpu_check.ENGINES)
     rows = gpu_check.rollout_part("tiny", "cpu", "float32", lengths=(24, 40), batches={24: 2, 40: 1}, new_tokens=3,
-                                  budget_gib=None, log=log)
+                                  budget_gib=None, engines=engines, log=log)
     order = ("hf generate", "smd snapkv 0.5", "smd snapkv 0.5 k64", "smd dense")  # generate first: the anchor
     assert [r.item for r in rows] == [f"P={p} B={b} {e}" for p, b in ((24, 2), (40, 1)) for e in order]
     for r in rows:
@@ -37,9 +42,24 @@ def test_rollout_part_at_the_tiny_shape_on_cpu(gpu_check, tmp_path):
     assert all(r.detail.startswith("1.00x generate") for r in rows if r.item.endswith("hf generate"))
     # smd's host-side shadow-mask bookkeeping (sample_results) is timed apart, out of the tokens/s
     assert all("untimed" in r.detail for r in rows if r.item.startswith("smd") or " smd " in r.item)
+    # smd's decoding step is timed apart from its prefill, beside its HBM floor (n/a: the CPU has no HBM figure)
+    assert all("decode step" in r.detail and "x its HBM floor n/a" in r.detail
+               for r in rows if " smd " in r.item)
+    assert not any("decode step" in r.detail for r in rows if r.item.endswith("hf generate"))
     # every row was written to the rows file as it was measured, with a started record before it
     reader = gpu_check.RowReader(tmp_path / "rows.jsonl")
     assert reader.new() == rows and reader.running is None
+
+
+def test_hbm_floor_by_device_name(gpu_check, monkeypatch):
+    import torch
+
+    assert math.isnan(gpu_check.hbm_bandwidth("cpu"))
+    for name, bandwidth in (("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+                            ("NVIDIA GeForce RTX 4090", float("nan"))):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device, name=name: name)
+        got = gpu_check.hbm_bandwidth("cuda")
+        assert got == bandwidth or (math.isnan(got) and math.isnan(bandwidth))
 
 
 def test_a_failing_measurement_is_its_row_and_the_part_goes_on(gpu_check):
