@@ -179,11 +179,14 @@ def bench_engine_cmd(
 
 @bench_app.command("learner")
 def bench_learner_cmd(
-    shape: Annotated[str, typer.Option(help="Model shape: tiny (the default model), qwen3-vocab (Qwen3's "
-                                            "151,936-token vocabulary and 16 q / 8 kv heads on a small body) or "
-                                            "qwen3-1.7b (Qwen3-1.7B's config: a GPU shape).")] = "tiny",
+    shape: Annotated[str | None, typer.Option(
+        help="Model shape: tiny (the default model; the default shape), qwen3-vocab (Qwen3's 151,936-token "
+             "vocabulary and 16 q / 8 kv heads on a small body), qwen3-0.6b-4l (Qwen3-0.6B's layers, heads and "
+             "vocabulary, 4 of its 28 layers; the default with --sequence-parallel) or qwen3-1.7b (Qwen3-1.7B's "
+             "config: a GPU shape).")] = None,
     lengths: Annotated[str | None, typer.Option(help="Comma-separated sequence lengths T (default: the shape's: "
-                                                     "tiny 512,2048,4096; qwen3-vocab 1024,4096).")] = None,
+                                                     "tiny 512,2048,4096; qwen3-vocab 1024,4096; with "
+                                                     "--sequence-parallel 8192).")] = None,
     modes: Annotated[str | None, typer.Option(help="Comma-separated learners: dense,smd_flex,smd_sdpa,smd_gather,"
                                                    "fwd_bwd,dense_full,smd_flex_full (default: the shape's).")] = None,
     rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (median per learner).")] = 3,
@@ -203,23 +206,26 @@ def bench_learner_cmd(
     prompt_tokens: Annotated[int, typer.Option(min=2, help="With --group-size: prompt length (the SmolLM2 spec's "
                                                            "~141).")] = 141,
     response_tokens: Annotated[int, typer.Option(min=1, help="With --group-size: longest response.")] = 16,
+    min_response_tokens: Annotated[int | None, typer.Option(
+        min=1, help="With --group-size: shortest response (default half the longest; a quarter: the 4x spread of "
+                    "the packed arm's target).")] = None,
     micro_batch_size: Annotated[int, typer.Option(min=1, help="With --group-size: learner.micro_batch_size.")] = 8,
     shared_micro_batch_size: Annotated[int | None, typer.Option(
         min=1, help="With --group-size: the shared arms also at this learner.micro_batch_size (several groups a "
                     "micro-batch: their prompts in one call), rows labelled 'mb N'.")] = None,
     arms: Annotated[str | None, typer.Option(
-        help="With --group-size: comma-separated arms (smd shared, smd per-sample, dense shared, dense per-sample, "
-             "'... mb N'; default all).")] = None,
+        help="With --group-size: comma-separated arms (smd shared, smd token budget, smd per-sample, smd packed, "
+             "dense shared, dense per-sample, '... mb N'; default all).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="With --group-size: runs per arm (the fastest counts).")] = 2,
-    cores: Annotated[str | None, typer.Option(help="With --group-size: taskset core list of every arm (e.g. 0 or "
-                                                   "0,1).")] = None,
+    cores: Annotated[str | None, typer.Option(help="With --group-size or --sequence-parallel: the core list of "
+                                                   "every arm / process (taskset's, e.g. 1 or 0,1).")] = None,
     lora_rank: Annotated[int | None, typer.Option(
         min=1, help="LoRA of this rank (learner.lora) against full fine-tuning: one smd learner step each, step time "
                     "and memory itemized (weights, AdamW state, working memory, peak); target peak <= 0.5x.")] = None,
     gradient_checkpointing: Annotated[bool, typer.Option(
         "--gradient-checkpointing/--no-gradient-checkpointing",
         help="With --lora-rank: both learners with every decoder layer checkpointed (learner.gradient_checkpointing); "
-             "rows labelled +ckpt.")] = False,
+             "rows labelled +ckpt. With --sequence-parallel: both runs checkpointed.")] = False,
     profile: Annotated[bool, typer.Option(
         "--profile/--no-profile",
         help="With --group-size: after the timed runs, each arm once more under torch.profiler: its phases "
@@ -229,13 +235,35 @@ def bench_learner_cmd(
         help="With --group-size: after the timed runs, each arm's resumed learn call (AdamW's moments loaded, as "
              "a chain's from iteration 2) itemized: torch's allocation at its peak by torch.profiler's memory "
              "category (weights, optimizer state, gradients, activations, temporaries) beside the resident set.")] = False,
+    sequence_parallel: Annotated[int | None, typer.Option(
+        min=2, help="Sequence parallelism (learner.sequence_parallel, DeepSpeed-Ulysses): one learner micro-step (smd "
+                    "with its dense teacher, forward + backward) on 1 process and on N processes (gloo on the CPU, "
+                    "one GPU each on CUDA), each process's peak working memory, x one process's, step seconds and "
+                    "the loss difference (stages/bench/learner_sp.py; target peak <= 0.6x at T = 8k). --shape "
+                    "default qwen3-0.6b-4l (its KV heads must divide by N), --lengths default 8192.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        help="With --sequence-parallel or --group-size: learner.attention_backend of every run: tiled (query tiles "
+             "through the CPU flash kernel: the long-context CPU path; --sequence-parallel's default), sdpa (an "
+             "explicit [B, H, T, T] mask per layer; --group-size's default) or flex.")] = None,
+    rows: Annotated[int, typer.Option(min=1, help="With --sequence-parallel: rows of the micro-batch (row b "
+                                                  "T - bT/8 tokens).")] = 1,
 ) -> None:
     """smd (FlexAttention) vs dense learner step: time and peak memory side by side, plus physical KV slicing."""
-    if gradient_checkpointing and (lora_rank is None or group_size is not None):
+    if gradient_checkpointing and (lora_rank is None and sequence_parallel is None or group_size is not None):
         def refuse() -> None:
-            raise SmdInputError("--gradient-checkpointing: only with --lora-rank (not --group-size)")
+            raise SmdInputError("--gradient-checkpointing: only with --lora-rank or --sequence-parallel (not "
+                                "--group-size)")
 
         guarded(refuse)
+        return
+    if sequence_parallel is not None:  # one sequence across processes (issue 55)
+        from stages.bench.learner_sp import bench_learner_sequence_parallel
+
+        lens = [int(x) for x in lengths.split(",") if x.strip()] if lengths else None
+        guarded(lambda: bench_learner_sequence_parallel(
+            sequence_parallel, str(model.resolve()) if model is not None else shape, lens, backend=backend or "tiled",
+            rows=rows, threads=threads, cores=cores, device=device, dtype=dtype, chunk_tokens=chunk_tokens,
+            gradient_checkpointing=gradient_checkpointing))
         return
     if group_size is not None:
         def grpo() -> None:
@@ -246,12 +274,12 @@ def bench_learner_cmd(
             chosen = [a.strip() for a in arms.split(",")] if arms else None
             bench_learner_grpo(model, group_size, prompts, prompt_tokens, response_tokens, micro_batch_size, repeats,
                                threads, cores, arms=chosen, profile=profile,
-                               shared_micro_batch_size=shared_micro_batch_size, memory=memory)
+                               shared_micro_batch_size=shared_micro_batch_size, memory=memory,
+                               min_response_tokens=min_response_tokens, backend=backend or "sdpa")
 
         guarded(grpo)
         return
-    if model is not None:
-        shape = str(model.resolve())
+    shape = str(model.resolve()) if model is not None else shape or "tiny"
     if lora_rank is not None:  # LoRA vs full fine-tuning (issue 43)
         from stages.bench.learner import run_lora_bench
 

@@ -266,6 +266,50 @@ def float64_policy(model_dir: Path):
     return model
 
 
+class PlainEngine:
+    """The part of the DeepSpeed engine a learner step uses, on a plain module: `backward` accumulates gradients,
+    `step` leaves them (the test reads them); one process at ZeRO 0 in float64 (the learner measures the norm)."""
+
+    def __init__(self, module) -> None:
+        from types import SimpleNamespace
+
+        self.module = module
+        self.optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
+
+    def backward(self, loss, scale_wrt_gas: bool = False) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        pass
+
+    def zero_optimization(self) -> bool:
+        return False
+
+    def bfloat16_enabled(self) -> bool:
+        return False
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+    def get_global_grad_norm(self) -> None:
+        return None
+
+
+def float64_token_scores(hidden, head, targets, valid, *, temperature=1.0, chunk_tokens=256, teacher_hidden=None,
+                         teacher_head=None):
+    """`chunked_token_scores` in float64 (the learner's rounds its logits to float32, so two batchings would
+    differ at float32 eps): log-probs, entropy, and with a teacher its KL, log-probs and argmax."""
+    logq = torch.log_softmax(head(hidden) / temperature, dim=-1)
+    out = {"logp": logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * valid,
+           "entropy": -(logq.exp() * logq).sum(-1).detach() * valid}
+    if teacher_hidden is not None:
+        logt = torch.log_softmax((teacher_head or head)(teacher_hidden.detach()) / temperature, dim=-1).detach()
+        out["kl"] = (logt.exp() * (logt - logq)).sum(-1) * valid
+        out["teacher_logp"] = logt.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * valid
+        out["teacher_argmax"] = logt.argmax(-1)
+    return out
+
+
 def params_of(policy_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(policy_dir / "model.safetensors"))
 

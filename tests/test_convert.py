@@ -271,12 +271,14 @@ def test_bench_learner_arms_at_two_micro_batch_sizes():
     the per-sample arms at --micro-batch-size only; `--arms` picks by label; an unknown arm is one line."""
     from stages.bench.learner_grpo import bench_arms
 
-    assert [a[0] for a in bench_arms(8, None)] == ["smd shared", "smd token budget", "smd per-sample",
+    assert [a[0] for a in bench_arms(8, None)] == ["smd shared", "smd token budget", "smd per-sample", "smd packed",
                                                    "dense shared", "dense per-sample"]
     both = bench_arms(8, 32)  # the token-budget arm reads no row count: no "mb N" twin
     assert [(a[0], a[3]) for a in both if a[1] == "smd"] == [("smd shared", 8), ("smd shared mb 32", 32),
-                                                             ("smd token budget", 8), ("smd per-sample", 8)]
-    assert [a[4] for a in both if a[1] == "smd"] == [False, False, True, False]
+                                                             ("smd token budget", 8), ("smd per-sample", 8),
+                                                             ("smd packed", 8)]
+    assert [a[4] for a in both if a[1] == "smd"] == [False, False, True, False, False]
+    assert [a[5] for a in both if a[1] == "smd"] == [False, False, False, False, True]  # learner.pack
     assert [a[0] for a in bench_arms(8, 32, ["smd shared mb 32", "smd per-sample"])] == ["smd shared mb 32",
                                                                                           "smd per-sample"]
     assert [a[0] for a in bench_arms(8, 32, ["dense shared"])] == ["dense shared", "dense shared mb 32"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Objective = Literal["smd", "shadow", "naive", "naive_bypass", "dense", "tis", "sparse_rl", "smd_released"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -333,6 +333,34 @@ class LearnerParams(BaseModel):
         "1e-10), with the prompt's tokens forwarded once instead of G times. false: every sample forwards its "
         "prompt (the per-sample reference). With gradient_checkpointing the per-sample forward runs.",
     )
+    pack: bool = Field(
+        False,
+        description="Packed rows (stages/learner/packing.py, docs/design.md §3e): each micro-batch's rows are "
+        "concatenated into one row of their real tokens (batch 1, no padding; position ids restart at 0 in every "
+        "row), under the mask 'same row AND shadow-visible', itself a shadow mask (each row's evict_at shifted to "
+        "its place and capped at the row's end), which every attention backend replays unchanged; the dense passes "
+        "(dense objectives, smd's teacher) run the block-diagonal causal mask. The same loss and gradients as the "
+        "padded learner (float64 tests to 1e-10); with `micro_batch_tokens` the budget counts the packed (real) "
+        "tokens. Needs `shared_prompt: false` (a prompt key's mask differs per sample of its group: one packed row "
+        "cannot hold a group's responses over one copy of the prompt). smd's dense teacher then runs the whole "
+        "packed row (the padded path shares the rows before the first eviction with it). sdpa builds an explicit "
+        "[N, N] mask per layer for the packed row: use tiled (CPU) or flex (CUDA) for long micro-batches. Anchors: "
+        "verl's use_remove_padding, OpenRLHF's --ds.packing_samples, Hugging Face's DataCollatorWithFlattening. "
+        "false = right-padded micro-batches (the default).",
+    )
+    sequence_parallel: int = Field(
+        1, ge=1,
+        description="Sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509; "
+        "stages/learner/sequence_parallel.py, docs/design.md §6b): each micro-batch's sequence is split over this "
+        "many consecutive processes, each forwarding T/N positions (T padded to a multiple of N) with their global "
+        "position ids; DeepSpeed's DistributedAttention (`deepspeed.sequence.layer`) all-to-alls q/k/v so that each "
+        "process attends over the whole sequence for H/N heads and replays the shadow mask of its own KV heads (a "
+        "GQA group is never split: the model's KV heads must divide by N). Each process scores its positions, the "
+        "loss's normalisers are the whole micro-batch's, and the group's gradients sum to the one-process gradient "
+        "(2-process float64 tests: every gradient within 1e-15 relative but the chunked lm head's float32-accumulated "
+        "one). The processes (the `deepspeed` launcher's) must divide by N; the batch "
+        "is split over the W / N groups. Needs `shared_prompt: false` and `pack: false`. 1 = off (the default).",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Activation checkpointing of every decoder layer (transformers' activation_checkpointing_enable, "
@@ -385,6 +413,20 @@ class LearnerParams(BaseModel):
         None, ge=0, description="Learner seed (mini-batch shuffling, RNG); None = derive from the global seed."
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads per process (0 = leave torch's default).")
+
+    @model_validator(mode="after")
+    def _pack_needs_per_sample_prompts(self) -> LearnerParams:
+        if self.pack and self.shared_prompt:
+            raise ValueError("learner.pack: true needs learner.shared_prompt: false (a prompt key's shadow mask "
+                             "differs per sample of its group, so a group's responses cannot share one packed row)")
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_runs_per_sample_rows(self) -> LearnerParams:
+        if self.sequence_parallel > 1 and (self.shared_prompt or getattr(self, "pack", False)):
+            raise ValueError("learner.sequence_parallel > 1 needs learner.shared_prompt: false and learner.pack: "
+                             "false (each process holds a contiguous chunk of every right-padded row)")
+        return self
 
     def backend_for(self, device_type: str) -> str:
         """The shadow-attention backend that runs on a device of `device_type` ("cpu", "cuda"): `attention_backend`,

@@ -61,6 +61,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-1.7b": {"vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1_000_000.0,
                    "rms_norm_eps": 1e-6},
+    # Qwen3-0.6B's decoder layer and vocabulary (hidden 1024, 16 q / 8 KV heads of 128, MLP 3072, RoPE base 1e6, tied
+    # embeddings) with 4 of its 28 layers: the per-token activations of a long sequence dominate the step, as in the
+    # real model, while a CPU step at T = 8192 stays a few minutes (`bench learner --sequence-parallel`: 8 KV heads
+    # split by 2, 4 or 8 processes).
+    "qwen3-0.6b-4l": {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
+                      "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                      "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
 }
 SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"lengths": (512, 2048, 4096), "modes": ("dense", "smd_flex", "smd_tiled", "smd_sdpa", "smd_gather"),
@@ -71,6 +78,7 @@ SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
                     "target_memory": 1.1},
     # a GPU shape (the paper's figures: smd 100% of dense memory, physical slicing 150%)
     "qwen3-1.7b": {"lengths": (4096, 16384), "modes": ("dense", "smd_flex", "smd_gather"), "target_memory": 1.1},
+    "qwen3-0.6b-4l": {"lengths": (1024, 4096), "modes": ("dense", "smd_tiled"), "target_memory": 1.1},
 }
 GATHER_ATTENTION = "smd_gather_bench"
 

@@ -2,8 +2,8 @@
 per-sample prompts (issue 40, docs/design.md §3c and §8).
 
 The workload is an iteration's batch as the SmolLM2 spec makes it by default: `prompts` prompts of about
-`prompt_tokens` tokens (lengths spread over the last 8 so that micro-batches pad), `group_size` responses of up
-to `response_tokens` tokens each, SnapKV-like shadow masks at keep ratio 0.5 (`stages.bench.synthetic_rollouts`:
+`prompt_tokens` tokens (lengths spread over the last 8 so that micro-batches pad), `group_size` responses of
+`min_response_tokens` (default half) to `response_tokens` tokens each, SnapKV-like shadow masks at keep ratio 0.5 (`stages.bench.synthetic_rollouts`:
 each sample its own schedule), random token ids and 0/1 rewards. Written once as a trajectory table and a
 compacted mask store, then learned from by `run_learner` itself, once per arm, each in its own process (peak
 memory is per process on a CPU) and `repeats` times (the fastest counts):
@@ -13,6 +13,8 @@ memory is per process on a CPU) and `repeats` times (the fastest counts):
                    `micro_batch_tokens` padded tokens; by default max(micro-batch, G) x (prompt + response tokens),
                    the row-count arm's micro-batch at the longest rows)
   smd per-sample   the same with learner.shared_prompt false: every sample forwards its prompt
+  smd packed       smd per-sample with each micro-batch's rows packed into one row (learner.pack: the same rows
+                   a micro-batch, no padding; stages/learner/packing.py)
   dense shared     the dense learner (objective dense): no mask, no teacher; the field's anchor
   dense per-sample the same, per sample
 
@@ -52,23 +54,27 @@ from stages.bench.profiling import log_operators, top_operators
 PHASES: dict[str, str] = {
     "build_micro_batch": "micro-batch",
     "shared_prompt_hidden": "forward", "response_hidden_with_teacher": "forward", "micro_batch_hidden": "forward",
+    "packed_hidden_with_teacher": "forward",
     "forward_logp": "forward", "chunked_token_scores": "lm head",
 }
 
-# (label, objective, shared prompts, micro-batches by a token budget)
-ARMS: tuple[tuple[str, str, bool, bool], ...] = (
-    ("smd shared", "smd", True, False),
-    ("smd token budget", "smd", True, True),
-    ("smd per-sample", "smd", False, False),
-    ("dense shared", "dense", True, False),
-    ("dense per-sample", "dense", False, False),
+# (label, objective, shared prompts, micro-batches by a token budget, packed rows)
+ARMS: tuple[tuple[str, str, bool, bool, bool], ...] = (
+    ("smd shared", "smd", True, False, False),
+    ("smd token budget", "smd", True, True, False),
+    ("smd per-sample", "smd", False, False, False),
+    ("smd packed", "smd", False, False, True),
+    ("dense shared", "dense", True, False, False),
+    ("dense per-sample", "dense", False, False, False),
 )
 
 
 def grpo_workload(model_dir: Path, out: Path, prompts: int, group_size: int, prompt_tokens: int,
-                  response_tokens: int, keep_ratio: float = 0.5, seed: int = 0) -> tuple[Path, Path, dict[str, int]]:
+                  response_tokens: int, keep_ratio: float = 0.5, seed: int = 0,
+                  min_response_tokens: int | None = None) -> tuple[Path, Path, dict[str, int]]:
     """Write the bench's iteration (trajectories.arrow + compacted masks.zarr) under `out`; returns their paths
-    and the token counts (real tokens per sample, distinct prompt tokens, response tokens)."""
+    and the token counts (real tokens per sample, distinct prompt tokens, response tokens). Response lengths are
+    uniform in [min_response_tokens (default response_tokens // 2, at least 1), response_tokens]."""
     from transformers import AutoConfig
 
     from schemas.params.compaction import CompactionParams
@@ -89,7 +95,7 @@ def grpo_workload(model_dir: Path, out: Path, prompts: int, group_size: int, pro
         distinct += P
         prompt = rng.integers(4, cfg.vocab_size - 1, size=P).tolist()
         for g in range(group_size):
-            R = int(rng.integers(max(1, response_tokens // 2), response_tokens + 1))
+            R = int(rng.integers(max(1, min_response_tokens or response_tokens // 2), response_tokens + 1))
             i = len(table)
             evs.append(synthetic_evict_at("snapkv", P + R, P, layers, kv_heads, eviction, rng))
             table.append({
@@ -128,7 +134,7 @@ def arm_params(spec: dict[str, Any], resume: bool = False):
     return load_params(None, [
         f"learner.objective={spec['objective']}", f"learner.shared_prompt={str(spec['shared']).lower()}",
         f"learner.micro_batch_size={spec['micro_batch_size']}", "learner.parity_tol=1000000000.0",
-        f"learner.micro_batch_tokens={tokens if tokens else 'null'}",
+        f"learner.micro_batch_tokens={tokens if tokens else 'null'}", f"learner.pack={str(spec.get('pack', False)).lower()}",
         f"learner.resume_optimizer={str(resume).lower()}", "learner.lr=1e-7",
         f"learner.attention_backend={spec['backend']}", "rollout.eviction.policy=snapkv",
         f"rollout.temperature={spec['temperature']}",
@@ -295,19 +301,19 @@ def _run_arm(spec: dict[str, Any], cores: str | None) -> dict[str, Any]:
 
 
 def bench_arms(micro_batch_size: int, shared_micro_batch_size: int | None,
-               arms: list[str] | None = None) -> list[tuple[str, str, bool, int, bool]]:
-    """(label, objective, shared, micro-batch rows, token budget) of every arm `arms` names (None: all). With
+               arms: list[str] | None = None) -> list[tuple[str, str, bool, int, bool, bool]]:
+    """(label, objective, shared, micro-batch rows, token budget, packed) of every arm `arms` names (None: all). With
     `shared_micro_batch_size` other than `micro_batch_size` the shared row-count arms run at both sizes, those at
     the other size labelled "... mb N" (several groups a micro-batch); the token-budget arm reads no row count."""
     out = []
-    for label, objective, shared, tokens in ARMS:
+    for label, objective, shared, tokens, pack in ARMS:
         sizes = [micro_batch_size]
         if shared and not tokens and shared_micro_batch_size not in (None, micro_batch_size):
             sizes.append(shared_micro_batch_size)
         for size in sizes:
             name = label if size == micro_batch_size else f"{label} mb {size}"
             if arms is None or name in arms or label in arms:
-                out.append((name, objective, shared, size, tokens))
+                out.append((name, objective, shared, size, tokens, pack))
     unknown = set(arms or ()) - {a[0] for a in out} - {a[0] for a in ARMS}
     if unknown or not out:
         from schemas.errors import SmdInputError
@@ -322,7 +328,7 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
                        cores: str | None = None, backend: str = "sdpa", arms: list[str] | None = None,
                        temperature: float = 0.7, profile: bool = False, shared_micro_batch_size: int | None = None,
                        memory: bool = False, micro_batch_tokens: int | None = None,
-                       log=print) -> list[dict[str, Any]]:
+                       min_response_tokens: int | None = None, log=print) -> list[dict[str, Any]]:
     """Run every arm `repeats` times (interleaved), print the table, return its rows; `profile`: then each arm
     once more, untimed, profiled (its phases and top operators printed after the table, and in its row's
     "profile": phases in seconds, top_ops as (name, self CPU seconds, calls)). `shared_micro_batch_size`: the
@@ -331,7 +337,8 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
     learn call itemized (`memory_arm_main`), printed after the table and in its row's "memory".
     `micro_batch_tokens`: the token-budget arm's learner.micro_batch_tokens (default: max(micro_batch_size,
     group_size) x (prompt_tokens + response_tokens), the row-count arm's micro-batch at the longest rows, at least
-    one whole group)."""
+    one whole group). `min_response_tokens`: the shortest response (default half the longest; a quarter gives the
+    4x spread of issue 55's packing target)."""
     import torch
     from transformers import AutoConfig
 
@@ -342,21 +349,21 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
     cfg = AutoConfig.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         traj, masks, counts = grpo_workload(model_dir, Path(tmp), prompts, group_size, prompt_tokens,
-                                            response_tokens)
+                                            response_tokens, min_response_tokens=min_response_tokens)
         n_params = sum(p.numel() for p in _count_model(model_dir).parameters())
         log(f"# learner on GRPO's workload: {model_dir.name} ({n_params / 1e6:.1f}M parameters, {cfg.num_hidden_layers} "
-            f"layers), {prompts} prompts x G {group_size}, prompts ~{prompt_tokens} tokens, responses <= "
-            f"{response_tokens}; micro-batch {micro_batch_size}{shared_size_note}"
+            f"layers), {prompts} prompts x G {group_size}, prompts ~{prompt_tokens} tokens, responses "
+            f"{max(1, min_response_tokens or response_tokens // 2)}-{response_tokens}; micro-batch {micro_batch_size}{shared_size_note}"
             f"{f', token budget {budget}' if any(arm[4] for arm in chosen) else ''}; backend {backend}; float32; "
             f"torch {torch.__version__}; "
             f"{threads or 'default'} thread(s); cores {cores or 'any'}; fastest of {repeats}")
         log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
             f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "
             f"(distinct prompts + responses + each sample's last prompt token)")
-        def arm_spec(objective: str, shared: bool, size: int, tokens: bool) -> dict[str, Any]:
+        def arm_spec(objective: str, shared: bool, size: int, tokens: bool, pack: bool) -> dict[str, Any]:
             return {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
                     "shared": shared, "micro_batch_size": size, "threads": threads, "backend": backend,
-                    "temperature": temperature, "micro_batch_tokens": budget if tokens else None}
+                    "temperature": temperature, "micro_batch_tokens": budget if tokens else None, "pack": pack}
 
         best: dict[str, dict[str, Any]] = {}
         for _ in range(repeats):
@@ -377,10 +384,10 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     rows = []
-    for label, objective, shared, size, tokens in chosen:
+    for label, objective, shared, size, tokens, pack in chosen:
         r = best[label]
         twin = best.get(f"{objective} per-sample")
-        ratio = f"{twin['step_s'] / r['step_s']:.2f}x" if twin and shared else ""
+        ratio = f"{twin['step_s'] / r['step_s']:.2f}x" if twin and (shared or pack) else ""
         start, policy = r["rss_start_mb"], r.get("rss_policy_mb", r["rss_start_mb"])
         engine = r.get("rss_engine_mb", policy)
         log(f"| {label} | {r['step_s']:.2f} | {ratio} | {r['padded_ratio']:.2f} | {r['parity_s']:.2f} | "

@@ -3,7 +3,8 @@
 `load_learner_data` reads and cross-checks the two artifacts (one clear line naming the file and field on
 any mismatch) and computes the GRPO advantages over the whole iteration batch; `build_micro_batch` turns a
 list of rows into the tensors one forward pass needs (prompt + response ids right-padded to the longest
-row, per-layer evict_at with `pad_evict_at`, and, for the flex backend, one BlockMask per layer).
+row, per-layer evict_at with `pad_evict_at`, and, for the flex backend, one BlockMask per layer), or with
+`learner.pack` the rows one after another in one row (`stages.learner.packing`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from schemas.params.learner import LearnerParams
 from schemas.tables import check_binding, read_table, table_config
 from stages.learner.mismatch import check_finite
 from stages.learner.objectives import group_advantages
+from stages.learner.packing import pack_ids, packed_evict_at
 from stages.learner.shadow_attention import pad_evict_at
 
 
@@ -164,6 +166,7 @@ class MicroBatch:
     evict_at: torch.Tensor | None = None  # [L, B, H, T]
     block_masks: list | None = None  # flex backend: one BlockMask per layer
     kl_mask: torch.Tensor | None = None  # [B, R] bool: the tokens smd's teacher KL applies to (set by micro_step)
+    packed: bool = False  # learner.pack: input_ids [1, N] and evict_at [L, 1, H, N] hold the rows one after another
 
     @property
     def num_tokens(self) -> int:
@@ -192,14 +195,19 @@ def read_evict_at(data: LearnerData, rows: list[int]) -> list[torch.Tensor]:
 
 def build_micro_batch(data: LearnerData, rows: list[int], masked: bool, backend: str = "sdpa",
                       block_size: int = 128, num_q_heads: int | None = None, pad_id: int = 0,
-                      device: torch.device | str = "cpu") -> MicroBatch:
-    """Right-padded tensors of `rows` (rollout order inside); evict_at (and block masks) when `masked`."""
+                      device: torch.device | str = "cpu", pack: bool = False) -> MicroBatch:
+    """Right-padded tensors of `rows` (rollout order inside); evict_at (and block masks) when `masked`. `pack`
+    (learner.pack): ids [1, N] and evict_at [L, 1, H, N] of the rows one after another, no padding
+    (`stages.learner.packing`); the per-token tensors [B, R] stay as padded."""
     seqs = [list(data.prompt_ids[r]) + list(data.response_ids[r]) for r in rows]
     T = max(map(len, seqs))
     # Built on the host (explicit device: never torch's default device), copied to `device` once per micro-batch.
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long, device="cpu")
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
+    if pack:
+        ids = pack_ids(seqs)
+    else:
+        ids = torch.full((len(rows), T), pad_id, dtype=torch.long, device="cpu")
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     resp_lens = [len(data.response_ids[r]) for r in rows]
     R = max(max(resp_lens), 1)
     rollout = torch.zeros(len(rows), R, dtype=torch.float32, device="cpu")
@@ -216,9 +224,13 @@ def build_micro_batch(data: LearnerData, rows: list[int], masked: bool, backend:
         rollout_logp=rollout.to(device),
         valid=valid.to(device),
         advantages=torch.tensor([data.advantages[r] for r in rows], dtype=torch.float32, device=device),
+        packed=pack,
     )
     if masked:
-        mb.evict_at = pad_evict_at(read_evict_at(data, rows), T).to(device)
+        if pack:
+            mb.evict_at = packed_evict_at(read_evict_at(data, rows)).to(device)
+        else:
+            mb.evict_at = pad_evict_at(read_evict_at(data, rows), T).to(device)
         if backend == "flex":
             from stages.learner.flex_backend import build_block_masks
 

@@ -46,6 +46,10 @@ def shadow_mask(evict_at_layer: torch.Tensor) -> torch.Tensor:
 
 
 def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    if "smd_sequence_parallel" in kwargs:  # learner.sequence_parallel: DeepSpeed-Ulysses around the same replay
+        from stages.learner.sequence_parallel import sequence_parallel_attention
+
+        return sequence_parallel_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if "smd_evict_at" not in kwargs:  # a dense forward (the teacher, the dense learners): transformers' SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

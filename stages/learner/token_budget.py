@@ -8,7 +8,7 @@ Pure functions over token counts; `stages.learner.train` maps them onto the batc
   one does not.
 - `budget_micro_batches`: consecutive items (a row, or a whole GRPO group under `learner.shared_prompt`), longest
   first, cut into micro-batches whose padded tokens stay within the budget (next fit: a micro-batch closes when
-  the next item would cross it). verl (`rearrange_micro_batches`) balances packed micro-batches with
+  the next item would cross it); with `learner.pack` their packed (real) tokens, `packed_tokens`. verl (`rearrange_micro_batches`) balances packed micro-batches with
   Karmarkar-Karp instead; smd pads, so sorting by length and cutting is what keeps the padding low, and the
   budget is a hard cap.
 - `karmarkar_karp`: the largest differencing method (Karmarkar & Karp 1982; its k-way form as verl's
@@ -31,29 +31,38 @@ def padded_tokens(lengths: Sequence[int]) -> int:
     return len(lengths) * max(lengths, default=0)
 
 
-def budget_micro_batches(item_lengths: Sequence[Sequence[int]], budget: int, item: str = "a row") -> list[list[int]]:
+def packed_tokens(lengths: Sequence[int]) -> int:
+    """Tokens of a packed micro-batch (`learner.pack`: the rows one after another in one row): their sum."""
+    return sum(lengths)
+
+
+def budget_micro_batches(item_lengths: Sequence[Sequence[int]], budget: int, item: str = "a row",
+                         packed: bool = False) -> list[list[int]]:
     """Indices of consecutive items per micro-batch: each item (the row lengths of a row or of a whole group, never
-    split) joins the open micro-batch while the micro-batch's `padded_tokens` stays <= `budget`, else opens the
-    next. Items sorted longest first give the least padding. One line naming `learner.micro_batch_tokens` when an
-    item alone exceeds the budget (`item` names what an item is)."""
+    split) joins the open micro-batch while the micro-batch's `padded_tokens` (`packed`: `packed_tokens`, the
+    learner.pack micro-batch's real tokens) stays <= `budget`, else opens the next. Items sorted longest first give
+    the least padding. One line naming `learner.micro_batch_tokens` when an item alone exceeds the budget (`item`
+    names what an item is)."""
     if budget < 1:
         raise SmdInputError(f"{FIELD}={budget}: a token budget must be >= 1 (null or 0 turns it off)")
-    costs = [padded_tokens(lengths) for lengths in item_lengths]
+    cost = packed_tokens if packed else padded_tokens
+    costs = [cost(lengths) for lengths in item_lengths]
     if costs and max(costs) > budget:
         worst = max(range(len(costs)), key=costs.__getitem__)
         n, longest = len(item_lengths[worst]), max(item_lengths[worst])
-        raise SmdInputError(f"{FIELD}={budget}: {item} needs {costs[worst]} padded tokens ({n} rows x {longest}); "
-                            f"set it to at least {costs[worst]}")
+        what = f"{costs[worst]} tokens (packed)" if packed else f"{costs[worst]} padded tokens ({n} rows x {longest})"
+        raise SmdInputError(f"{FIELD}={budget}: {item} needs {what}; set it to at least {costs[worst]}")
     out: list[list[int]] = []
     current: list[int] = []
-    rows = longest = 0
+    rows = longest = total = 0
     for i, lengths in enumerate(item_lengths):
         grown_rows, grown_longest = rows + len(lengths), max(longest, max(lengths, default=0))
-        if current and grown_rows * grown_longest > budget:
+        grown_total = total + sum(lengths)
+        if current and (grown_total if packed else grown_rows * grown_longest) > budget:
             out.append(current)
-            current, grown_rows, grown_longest = [], len(lengths), max(lengths, default=0)
+            current, grown_rows, grown_longest, grown_total = [], len(lengths), max(lengths, default=0), sum(lengths)
         current.append(i)
-        rows, longest = grown_rows, grown_longest
+        rows, longest, total = grown_rows, grown_longest, grown_total
     if current:
         out.append(current)
     return out

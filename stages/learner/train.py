@@ -41,7 +41,8 @@ micro-batches run zero-weight ones so that all take part in every gradient reduc
 whole groups (or parts of one), and each run of rows with one prompt forwards it once
 (`stages.learner.shared_prompt`; docs/design.md §3c). With `learner.micro_batch_tokens` micro-batches are cut by a
 padded-token budget (whole groups with shared prompts) and processes take rows (or groups) balanced by tokens with
-Karmarkar-Karp (`stages.learner.token_budget`; docs/design.md §3d).
+Karmarkar-Karp (`stages.learner.token_budget`; docs/design.md §3d). With `learner.pack` each micro-batch's rows run
+as one packed row of their real tokens (`stages.learner.packing`; docs/design.md §3e).
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ from stages.learner.objectives import (
     sparse_rl_weight_sums,
     zero_advantage_group_fraction,
 )
+from stages.learner.packing import packed_hidden, packed_hidden_with_teacher
 from stages.learner.released import released_trusted, released_visibility
+from stages.learner.sequence_parallel import data_parallel, new_sequence_parallel, sequence_parallel_scores
 from stages.learner.shadow_attention import (
     checkpointed_layers,
     enable_layer_checkpointing,
@@ -186,8 +189,12 @@ def trusted_rows(cfg: LearnerParams, data: LearnerData) -> dict[int, np.ndarray]
 def micro_batch_hidden(model, mb: MicroBatch, masked: bool, backend: str = "sdpa", shared: bool = False,
                        block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Final hidden states at the response positions of `mb` (`response_hidden`), shadow-masked when `masked`,
-    each group's prompt forwarded once when `shared` (`shared_prompt_hidden`)."""
+    each group's prompt forwarded once when `shared` (`shared_prompt_hidden`), of the packed row when `mb.packed`
+    (`packed_hidden`, learner.pack)."""
     evict_at = mb.evict_at if masked else None
+    if mb.packed:
+        return packed_hidden(model, mb.input_ids, evict_at, mb.prompt_lens, mb.resp_lens, backend, block_size,
+                             **(mb.forward_extra() if masked else {}))
     if shared:
         hidden, _, targets, valid = shared_prompt_hidden(model, mb.input_ids, evict_at, mb.prompt_lens, mb.resp_lens,
                                                          backend, block_size)
@@ -238,21 +245,23 @@ def scheduled_units(data: LearnerData, rows: list[int], shared: bool) -> list[li
     return [[r] for r in sorted(rows, key=lambda r: (-data.length(r), r))]
 
 
-def token_grouped(data: LearnerData, rows: list[int], budget: int, shared: bool) -> list[list[int]]:
-    """Micro-batches of at most `budget` padded tokens (`learner.micro_batch_tokens`; `budget_micro_batches`) of
-    whole rows, or with shared prompts whole GRPO groups, longest first; deterministic."""
+def token_grouped(data: LearnerData, rows: list[int], budget: int, shared: bool,
+                  pack: bool = False) -> list[list[int]]:
+    """Micro-batches of at most `budget` padded tokens (`learner.micro_batch_tokens`; `budget_micro_batches`;
+    `pack`: packed tokens, learner.pack) of whole rows, or with shared prompts whole GRPO groups, longest first;
+    deterministic."""
     units = scheduled_units(data, rows, shared)
     cuts = budget_micro_batches([[data.length(r) for r in unit] for unit in units], budget,
-                                "a GRPO group (learner.shared_prompt)" if shared else "a row")
+                                "a GRPO group (learner.shared_prompt)" if shared else "a row", packed=pack)
     return [[r for i in cut for r in units[i]] for cut in cuts]
 
 
 def micro_batches(data: LearnerData, rows: list[int], size: int, shared: bool, tokens: int | None = None,
-                  ) -> list[list[int]]:
-    """This process's micro-batches of `rows`: by a token budget when `tokens` (learner.micro_batch_tokens), else
-    `size` rows; by group with shared prompts, else by length."""
+                  pack: bool = False) -> list[list[int]]:
+    """This process's micro-batches of `rows`: by a token budget when `tokens` (learner.micro_batch_tokens; of
+    packed tokens with `pack`), else `size` rows; by group with shared prompts, else by length."""
     if tokens:
-        return token_grouped(data, rows, tokens, shared)
+        return token_grouped(data, rows, tokens, shared, pack)
     return group_grouped(data, rows, size) if shared else length_grouped(data, rows, size)
 
 
@@ -289,17 +298,25 @@ def process_rows(data: LearnerData, rows: list[int], rank: int, world: int, shar
 def score_rows(model, data: LearnerData, rows: list[int], *, masked: bool, temperature: float,
                micro_batch_size: int, backend: str = "sdpa", block_size: int = 128,
                device: torch.device | str = "cpu", chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-               shared: bool = False, micro_batch_tokens: int | None = None) -> dict[int, np.ndarray]:
+               shared: bool = False, micro_batch_tokens: int | None = None,
+               pack: bool = False, sp=None) -> dict[int, np.ndarray]:
     """Learner log-probs of every response token of `rows`, micro-batched and right-padded as in training
     (shadow-masked when `masked`, else dense; `shared`: a group's prompt forwarded once per micro-batch;
-    `micro_batch_tokens`: micro-batches by that token budget instead of `micro_batch_size` rows).
-    Returns {row: float32 [R_row]}."""
+    `micro_batch_tokens`: micro-batches by that token budget instead of `micro_batch_size` rows; `pack`: each
+    micro-batch's rows packed into one row, learner.pack; `sp`: this process's sequence-parallel group,
+    learner.sequence_parallel). Returns {row: float32 [R_row]}."""
     num_q = model.config.num_attention_heads
     out: dict[int, np.ndarray] = {}
-    for chunk in micro_batches(data, rows, micro_batch_size, shared, micro_batch_tokens):
-        mb = build_micro_batch(data, chunk, masked, "sdpa" if shared else backend, block_size, num_q, device=device)
-        logp = forward_logp(model, mb, masked, backend, temperature, chunk_tokens, shared,
-                            block_size)["logp"].float().cpu()
+    for chunk in micro_batches(data, rows, micro_batch_size, shared, micro_batch_tokens, pack):
+        mb = build_micro_batch(data, chunk, masked, "sdpa" if shared else backend, block_size, num_q, device=device,
+                               pack=pack)
+        if sp is not None:  # learner.sequence_parallel: this process's positions, the whole micro-batch's log-probs
+            logp = sequence_parallel_scores(model, sp, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens,
+                                            temperature=temperature, backend=backend, block_size=block_size,
+                                            chunk_tokens=chunk_tokens)["logp"].float().cpu()
+        else:
+            logp = forward_logp(model, mb, masked, backend, temperature, chunk_tokens, shared,
+                                block_size)["logp"].float().cpu()
         for b, r in enumerate(chunk):
             out[r] = logp[b, : mb.resp_lens[b]].numpy().copy()
     return out
@@ -350,7 +367,7 @@ def make_plan(data: LearnerData, cfg: LearnerParams, ctx: DistContext, seed: int
 
     def scheduled(rows: list[int], rank: int) -> list[list[int]]:
         return micro_batches(data, process_rows(data, rows, rank, ctx.world, shared, balance=bool(tokens)),
-                             cfg.micro_batch_size, shared, tokens)
+                             cfg.micro_batch_size, shared, tokens, cfg.pack)
 
     # the most micro-batches any process has in any mini-batch (every process runs that many per step)
     grad_accum = max(len(scheduled(rows, rank)) for _, rows in minis for rank in range(ctx.world))
@@ -552,6 +569,7 @@ class LearnerRun:
     teacher_model: Any = None  # learner.kl_teacher=reference / ema: the dense teacher model (None: the policy itself)
     trusted: dict[int, np.ndarray] | None = None  # smd_released: the trusted response tokens per row
     lora: LoraPolicy | None = None  # learner.lora: the adapter model (`module` is its transformers model)
+    sp: Any = None  # learner.sequence_parallel > 1: this process's `SequenceParallel` (its group, heads, attention)
     say: Callable[[str], None] = lambda msg: None
 
     @property
@@ -626,7 +644,9 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
         place_model(teacher_model, ctx.device)
     if cfg.gradient_checkpointing:
         enable_layer_checkpointing(model)
-    steps, grad_accum = make_plan(data, cfg, ctx, seed, iteration)
+    # learner.sequence_parallel: the groups of consecutive processes (collective); the batch splits over the groups
+    sp = new_sequence_parallel(cfg.sequence_parallel, mcfg.num_attention_heads, num_kv)
+    steps, grad_accum = make_plan(data, cfg, data_parallel(ctx, cfg.sequence_parallel), seed, iteration)
     engine = make_engine(model, cfg, ctx, grad_accum, resume_from=policy_path if resume else None)
     resumed = load_trainer_state(engine, policy_path, cfg, ctx) if resume else None
     say = (log or (lambda msg: None)) if ctx.is_main else (lambda msg: None)  # progress lines from rank 0 only
@@ -634,7 +654,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
                       tokenizer=tokenizer, data=data, steps=steps, resumed=resumed,
                       global_step=int(resumed["global_step"]) if resumed else 0,
                       temperature=params.rollout.temperature, ref_model=ref_model, teacher_model=teacher_model,
-                      trusted=trusted, say=say, lora=lora)
+                      trusted=trusted, say=say, lora=lora, sp=sp)
 
 
 def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None, dict[str, float]]:
@@ -647,9 +667,10 @@ def parity_pass(run: LearnerRun) -> tuple[dict[int, np.ndarray], dict[int, np.nd
     score = dict(masked=run.masked, temperature=run.temperature, micro_batch_size=cfg.micro_batch_size,
                  backend=cfg.attention_backend, block_size=cfg.flex_block_size, device=ctx.device,
                  chunk_tokens=cfg.logit_chunk_tokens, shared=cfg.shared_prompt,
-                 micro_batch_tokens=cfg.micro_batch_tokens)
+                 micro_batch_tokens=cfg.micro_batch_tokens, pack=cfg.pack, sp=run.sp)
     all_rows = list(range(len(data)))
-    my_rows = process_rows(data, all_rows, ctx.rank, ctx.world, cfg.shared_prompt,
+    dp = data_parallel(ctx, cfg.sequence_parallel)  # a sequence-parallel group scores its rows together
+    my_rows = process_rows(data, all_rows, dp.rank, dp.world, cfg.shared_prompt,
                            balance=bool(cfg.micro_batch_tokens))
     old = _gather_dict(score_rows(run.module, data, my_rows, **score), ctx)
     ref = None
@@ -705,18 +726,27 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     # (with the teacher or shared prompts, block masks are built for the prefix split inside the forward)
     shared_teacher = run.teacher and run.teacher_model is None
     shared = cfg.shared_prompt
-    mb = build_micro_batch(run.data, rows, masked, "sdpa" if shared_teacher or shared else backend,
-                           cfg.flex_block_size, module.config.num_attention_heads, device=run.ctx.device)
+    mb = build_micro_batch(run.data, rows, masked, "sdpa" if shared_teacher or shared or run.sp else backend,
+                           cfg.flex_block_size, module.config.num_attention_heads, device=run.ctx.device,
+                           pack=cfg.pack)
     with checkpointed_layers(module) if cfg.gradient_checkpointing else contextlib.nullcontext():
-        if run.teacher and not shared_teacher:  # a frozen teacher model: its own dense pass, then the masked policy
+        if run.sp is not None:  # learner.sequence_parallel: this process's positions, the whole micro-batch's scores
+            scores = sequence_parallel_scores(
+                module, run.sp, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens, mb.resp_lens,
+                temperature=temperature, backend=backend, block_size=cfg.flex_block_size,
+                chunk_tokens=cfg.logit_chunk_tokens, teacher=run.teacher, teacher_model=run.teacher_model)
+        elif run.teacher and not shared_teacher:  # a frozen teacher model: its own dense pass, then the masked policy
             with torch.no_grad():
-                teacher_hidden, _, _ = micro_batch_hidden(run.teacher_model, mb, False, shared=shared)
+                teacher_hidden, _, _ = micro_batch_hidden(run.teacher_model, mb, False,
+                                                          backend if mb.packed else "sdpa", shared,
+                                                          cfg.flex_block_size)
             hidden, targets, valid = micro_batch_hidden(module, mb, True, backend, shared, cfg.flex_block_size)
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
                                           chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
                                           teacher_head=lm_head_of(run.teacher_model))
         elif run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
-            forward = shared_prompt_hidden if shared else response_hidden_with_teacher
+            forward = (shared_prompt_hidden if shared else
+                       packed_hidden_with_teacher if mb.packed else response_hidden_with_teacher)
             kwargs = {"teacher": True} if shared else {}
             hidden, teacher_hidden, targets, valid = forward(
                 module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size,
@@ -805,7 +835,7 @@ def train_step(run: LearnerRun, step: Step, weights: RowWeights, old: dict[int, 
         terms, mb, logp, dense_logp, entropy = micro_step(run, rows, weight, old, ref, weights, weight_mean)
         stop_if_nonfinite(run, terms.get("loss/total"), f"loss at step {run.global_step + 1}, micro-batch {i + 1} of "
                           f"{len(step.micro)} (rows {_few(rows)})")
-        if real:
+        if real and (run.sp is None or run.sp.rank == 0):  # a sequence-parallel group's micro-batch counts once
             stats.add(terms, weight, mb, logp, dense_logp, entropy)
         if parity is not None and i == len(step.micro) - 1:  # before the update: the gate may still refuse
             parity.update(parity_gate(run, _gather_dict(stats.logp, run.ctx), time.perf_counter()))
