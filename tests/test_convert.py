@@ -284,3 +284,12 @@ def test_bench_learner_arms_at_two_micro_batch_sizes():
     assert [a[0] for a in bench_arms(8, 32, ["dense shared"])] == ["dense shared", "dense shared mb 32"]
     with pytest.raises(SmdInputError, match="--arms: smd sharde"):
         bench_arms(8, None, ["smd sharde"])
+
+
+def test_dual_pass_floor_by_hand():
+    """Issue 55's floor: 2k prompt + 8 x 512 responses shared = 6,144 tokens of forward and backward (3 forwards'
+    worth) plus the teacher's forward over 4,096 response tokens: 1 + 4096 / 18432 = 11/9."""
+    from stages.bench.learner_grpo import dual_pass_floor
+
+    assert dual_pass_floor(4096, 2048 + 4096) == pytest.approx(11 / 9, rel=1e-15)
+    assert dual_pass_floor(0, 100) == 1.0

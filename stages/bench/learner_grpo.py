@@ -69,6 +69,13 @@ ARMS: tuple[tuple[str, str, bool, bool, bool], ...] = (
 )
 
 
+def dual_pass_floor(teacher_tokens: int, step_tokens: int) -> float:
+    """smd's step time over the dense learner's at best: the dense learner's forward and backward over
+    `step_tokens` (a backward costs two forwards: 3 forward-equivalents) plus the dense teacher's no-grad forward
+    over `teacher_tokens` (the responses; the prompt's pass is shared with the policy's), by FLOPs (issue 55)."""
+    return 1.0 + teacher_tokens / (3.0 * step_tokens)
+
+
 def grpo_workload(model_dir: Path, out: Path, prompts: int, group_size: int, prompt_tokens: int,
                   response_tokens: int, keep_ratio: float = 0.5, seed: int = 0,
                   min_response_tokens: int | None = None) -> tuple[Path, Path, dict[str, int]]:
@@ -360,6 +367,11 @@ def bench_learner_grpo(model_dir: Path, group_size: int = 8, prompts: int = 16, 
         log(f"# tokens: {counts['tokens']} per-sample (prompt + response), "
             f"{counts['distinct_prompt_tokens'] + counts['response_tokens'] + prompts * group_size} shared "
             f"(distinct prompts + responses + each sample's last prompt token)")
+        shared_tokens = counts['distinct_prompt_tokens'] + counts['response_tokens']
+        log(f"# smd's floor over the dense learner: {dual_pass_floor(counts['response_tokens'], shared_tokens):.3f}x "
+            f"shared, {dual_pass_floor(counts['response_tokens'], counts['tokens']):.3f}x per sample (the dense "
+            "teacher's forward over the response tokens on top of a forward and backward over the real tokens)")
+
         def arm_spec(objective: str, shared: bool, size: int, tokens: bool, pack: bool) -> dict[str, Any]:
             return {"model": str(model_dir), "trajectories": str(traj), "masks": str(masks), "objective": objective,
                     "shared": shared, "micro_batch_size": size, "threads": threads, "backend": backend,
