@@ -306,7 +306,7 @@ def float64_token_scores(hidden, head, targets, valid, *, temperature=1.0, chunk
         logt = torch.log_softmax((teacher_head or head)(teacher_hidden.detach()) / temperature, dim=-1).detach()
         out["kl"] = (logt.exp() * (logt - logq)).sum(-1) * valid
         out["teacher_logp"] = logt.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * valid
-        out["teacher_argmax"] = logt.argmax(-1)
+        out["teacher_argmax"] = logt.argmax(-1) * valid  # 0 at invalid positions, as chunked_token_scores
     return out
 
 

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 
 from schemas.errors import SmdInputError
 from schemas.params.learner import LearnerParams
+from stages.bench.learner_sp import one_process_loss as bench_one_process_loss
 from stages.bench.synthetic_rollouts import eviction_config, synthetic_evict_at
 from stages.learner.data import MicroBatch
-from stages.learner.logprobs import chunked_token_scores, lm_head_of
-from stages.learner.objectives import ObjectiveBatch, objective_loss, objective_spec
+from stages.learner.logprobs import chunked_token_scores
 from stages.learner.sequence_parallel import (
     HeadShard,
     check_sequence_parallel,
@@ -32,11 +32,9 @@ from stages.learner.sequence_parallel import (
 )
 from stages.learner.shadow_attention import (
     pad_evict_at,
-    response_hidden,
-    response_hidden_with_teacher,
     response_index,
 )
-from tests.helpers import float64_policy, free_port, make_model_dir
+from tests.helpers import float64_policy, float64_token_scores, free_port, make_model_dir
 
 # ------------------------------------------------------------------------------------------ pure pieces
 
@@ -135,24 +133,6 @@ CASES = {
 HEAD = "model.embed_tokens.weight"
 
 
-def float64_token_scores(hidden, head, targets, valid, *, temperature=1.0, chunk_tokens=256, teacher_hidden=None,
-                         teacher_head=None):
-    """`chunked_token_scores`' outputs (logp, entropy; kl, teacher_logp, teacher_argmax with a teacher) computed
-    from [B, R, V] logits in the hidden states' dtype: float64 end to end for a float64 model."""
-    keep = valid.to(hidden.dtype)
-    log_q = torch.log_softmax(head(hidden) / temperature, dim=-1)
-    out = {"logp": log_q.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * keep,
-           "entropy": -(log_q.exp() * log_q).sum(-1).detach() * keep}
-    if teacher_hidden is not None:
-        with torch.no_grad():
-            z_p = head(teacher_hidden.detach()) / temperature
-            log_p = torch.log_softmax(z_p, dim=-1)
-        out["kl"] = (log_p.exp() * (log_p - log_q)).sum(-1) * keep
-        out["teacher_logp"] = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * keep
-        out["teacher_argmax"] = z_p.argmax(-1) * valid
-    return out
-
-
 def make_micro_batch(seed: int = 0, num_layers: int = 2, num_kv: int = 2) -> MicroBatch:
     """A right-padded micro-batch of 3 rows with random SnapKV-like shadow masks (every row evicts), random rollout
     log-probs and advantages."""
@@ -183,24 +163,10 @@ def load_model(model_dir: Path, dtype: torch.dtype):
 
 
 def one_process_loss(model, mb: MicroBatch, cfg: LearnerParams, scoring: str, temperature: float = 1.0):
-    """The learner's own path on one process (`train.micro_step`: response_hidden(_with_teacher),
-    chunked_token_scores, objective_loss)."""
-    spec = objective_spec(cfg.objective)
-    masked, backend = spec.masked_forward, cfg.backend_for("cpu")
-    teacher_hidden = None
-    if spec.dense_teacher and cfg.kl_lambda > 0:
-        hidden, teacher_hidden, targets, valid = response_hidden_with_teacher(
-            model, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend)
-    else:
-        hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None,
-                                                 mb.prompt_lens, mb.resp_lens, backend)
-    score = chunked_token_scores if scoring == "chunked" else float64_token_scores
-    scores = score(hidden, lm_head_of(model), targets, valid, temperature=temperature,
-                                  chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
-    batch = ObjectiveBatch(advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
-                           masked_logp=scores["logp"] if masked else None,
-                           dense_logp=None if masked else scores["logp"], kl_per_token=scores.get("kl"))
-    return objective_loss(cfg, batch)[0], scores
+    """The learner's own path on one process (`stages.bench.learner_sp.one_process_loss`), scored by the learner's
+    `chunked_token_scores` or in float64 end to end."""
+    return bench_one_process_loss(model, mb, cfg, temperature,
+                                  score=chunked_token_scores if scoring == "chunked" else float64_token_scores)
 
 
 def _worker(rank: int, world: int, port: int, model_dir: Path, out: Path) -> None:

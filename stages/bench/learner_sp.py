@@ -100,11 +100,11 @@ def synthetic_micro_batch(T: int, rows: int, num_layers: int, num_kv_heads: int,
                       evict_at=pad_evict_at(evs, T).to(device))
 
 
-def one_process_loss(model, mb, cfg, temperature: float = 1.0):
+def one_process_loss(model, mb, cfg, temperature: float = 1.0, score=None):
     """The learner's loss of one micro-batch on one process (`train.micro_step` at `sequence_parallel: 1`, per-sample
     rows): `response_hidden_with_teacher` for an objective with its dense teacher (kl_lambda > 0), else
-    `response_hidden` (shadow-masked or dense as the objective needs); `chunked_token_scores`; `objective_loss`.
-    Returns (loss, scores)."""
+    `response_hidden` (shadow-masked or dense as the objective needs); `score` (default `chunked_token_scores`,
+    the learner's; tests pass a float64 one); `objective_loss`. Returns (loss, scores)."""
     from stages.learner.logprobs import chunked_token_scores, lm_head_of
     from stages.learner.objectives import ObjectiveBatch, objective_loss, objective_spec
     from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
@@ -124,7 +124,7 @@ def one_process_loss(model, mb, cfg, temperature: float = 1.0):
                                                          cfg.flex_block_size)
         hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None,
                                                  mb.prompt_lens, mb.resp_lens, backend, **extra)
-    scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
+    scores = (score or chunked_token_scores)(hidden, lm_head_of(model), targets, valid, temperature=temperature,
                                   chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
     batch = ObjectiveBatch(advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
                            masked_logp=scores["logp"] if masked else None,
