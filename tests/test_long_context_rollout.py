@@ -90,9 +90,27 @@ def test_chunked_prefill_equals_one_forward_float64(model64, policy, share):
             for layer, want_layer in zip(cache.layers, want_cache.layers, strict=True):
                 i = cache.layers.index(layer)
                 assert torch.equal(state.slots[i].slot_pos, want_state.slots[i].slot_pos)
+                assert state.slots[i].extra.keys() == want_state.slots[i].extra.keys()
+                for name, want_extra in want_state.slots[i].extra.items():  # the policy's per-slot state
+                    assert (state.slots[i].extra[name] - want_extra).abs().max().item() <= tol
                 assert (layer.keys - want_layer.keys).abs().max().item() <= tol
                 if want_layer.prompt_keys is not None:
                     assert (layer.prompt_keys - want_layer.prompt_keys).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_chunked_prefill_runs_row_group_by_row_group(model64, share, monkeypatch):
+    """The prefill's hidden states exist for one row group at a time: the embedding runs once per group of the
+    plan (chunk 64 over 30-token prompts: 2 rows a group; chunk 7: one row), never on the whole batch."""
+    prompts = grouped_prompts()
+    embed = model64.model.embed_tokens
+    seen: list[int] = []
+    monkeypatch.setattr(embed, "forward", lambda ids, _f=embed.forward: seen.append(ids.shape[0]) or _f(ids))
+    for chunk, per_group in ((64, 2), (7, 1)):
+        seen.clear()
+        _prefill(model64, prompts, _eviction("snapkv"), share, chunk)
+        rows = 3 if share else len(prompts)  # the distinct prompts, or every row
+        assert seen == [min(per_group, rows - g) for g in range(0, rows, per_group)]
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "random"])

@@ -161,9 +161,10 @@ class RolloutParams(BaseModel):
     )
     prefill_chunk_tokens: int = Field(
         2048, ge=0, description="The prefill's token budget (vLLM's chunked prefill, `max_num_batched_tokens`): "
-        "the prompts run layer by layer, each layer in chunks of at most this many query tokens and compressed "
-        "right after its last chunk, so the prefill holds the prompts' hidden states, one layer's uncompressed "
-        "keys and values, and one chunk's activations, instead of the whole batch's activations of every prompt "
+        "the prompts run row group by row group (several short prompts, or one long prompt in query chunks of at "
+        "most this many tokens), each group through every layer, each layer compressed right after the group's "
+        "last chunk, so the prefill holds one group's hidden states, one layer's uncompressed keys and values of "
+        "the group, and one chunk's activations, instead of the whole batch's activations of every prompt "
         "token (stages.common.kvcache.sampler.layerwise_prefill; Llama, Qwen2/3 and Mistral layouts, other "
         "models prefill in one forward). SnapKV's window and H2O's column sums still see the whole prompt. Same "
         "tokens and masks as 0 (one forward of the model), log-probs to float rounding "

@@ -83,9 +83,12 @@ class RolloutState:
     # and the entry the next step writes, a device tensor (a compiled step must not specialise on it).
     # Chunked prefill (`rollout.prefill_chunk_tokens`, `layerwise_prefill`): the chunk a layer runs now, (first
     # row, end row, first query, end query) of the prefill's rows, host ints; None = the whole prompt at once.
+    # `prefill_group`: the prefill rows (first, end) now going through every layer, the chunk's rows among them.
     # `prefill_obs` accumulates the layer's observed attention over its chunks (H2O: column sums [rows, H, 1, P];
-    # SnapKV: its observation window's queries [rows, Hq, w, D]).
+    # SnapKV: its observation window's queries [rows, Hq, w, D]; rows: the group's).
     prefill_chunk: tuple[int, int, int, int] | None = None
+    prefill_group: tuple[int, int] | None = None
+    prefill_group_rows: torch.Tensor | None = None  # the batch rows whose prompt is in the group [n] (device)
     prefill_obs: torch.Tensor | None = None
     window_queries: list[torch.Tensor | None] = field(default_factory=list)
     window_pos: torch.Tensor | None = None
@@ -162,17 +165,18 @@ class EvictingLayer(CacheLayerMixin):
             if st.prefill_chunk is None:
                 self.pending = (key_states, value_states)
                 return key_states, value_states
-            # A chunk of a layer-by-layer prefill: its keys join the layer's prompt keys, and its queries see
-            # every key of their rows up to the chunk's end.
+            # A chunk of a layer-by-layer prefill: its keys join the layer's prompt keys of the row group, and
+            # its queries see every key of their rows up to the chunk's end.
             r0, r1, q0, q1 = st.prefill_chunk
-            if r0 == 0 and q0 == 0:
-                rows, P = len(st.prefill_pad), st.seq_length
+            g0, g1 = st.prefill_group
+            if r0 == g0 and q0 == 0:  # the group's first chunk in this layer
                 _, H, _, D = key_states.shape
-                self.pending = (key_states.new_empty(rows, H, P, D), value_states.new_empty(rows, H, P, D))
+                shape = (g1 - g0, H, st.seq_length, D)
+                self.pending = (key_states.new_empty(shape), value_states.new_empty(shape))
             k, v = self.pending
-            k[r0:r1, :, q0:q1] = key_states
-            v[r0:r1, :, q0:q1] = value_states
-            return k[r0:r1, :, :q1], v[r0:r1, :, :q1]
+            k[r0 - g0:r1 - g0, :, q0:q1] = key_states
+            v[r0 - g0:r1 - g0, :, q0:q1] = value_states
+            return k[r0 - g0:r1 - g0, :, :q1], v[r0 - g0:r1 - g0, :, :q1]
         slots = st.slots[self.layer_idx]
         first = st.prompt_slots  # a row's own slots follow its prompt's (0 without shared prompts)
         free = slots.slot_pos[..., first:] < 0
@@ -187,12 +191,15 @@ class EvictingLayer(CacheLayerMixin):
         st.policy.on_insert(self.layer_idx, slots, b_idx, h_idx, s_idx + first)
         return self.keys, self.values
 
-    def finish_prefill(self, keep_idx: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    def finish_prefill(self, keep_idx: torch.Tensor, rows: torch.Tensor | None = None,
+                       dest: torch.Tensor | None = None) -> None:
         """Copy the kept prompt keys (indices into the prompt axis, [B or U, H, C]) into each row's slots.
 
         `rows` [B]: the prefill ran on U distinct prompts (pending keys [U, H, P, D]) and row b takes prompt
         rows[b]. A selection per distinct prompt ([U, H, C]) is gathered once, then copied to its rows; a
-        selection per row ([B, H, C], random eviction's own draws) gathers from its prompt's keys."""
+        selection per row ([B, H, C], random eviction's own draws) gathers from its prompt's keys. `dest`: the
+        batch rows these are (a row group of `layerwise_prefill`; pending, `rows` and `keep_idx` are the group's),
+        None: every row."""
         k, v = self.pending
         D = k.shape[-1]
         idx = keep_idx.unsqueeze(-1).expand(-1, -1, -1, D)
@@ -201,19 +208,32 @@ class EvictingLayer(CacheLayerMixin):
         kept_k, kept_v = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
         if rows is not None and keep_idx.shape[0] != len(rows):  # one selection per distinct prompt
             kept_k, kept_v = kept_k.index_select(0, rows), kept_v.index_select(0, rows)
-        self.keys.copy_(kept_k)
-        self.values.copy_(kept_v)
+        if dest is None:
+            self.keys.copy_(kept_k)
+            self.values.copy_(kept_v)
+        else:
+            self.keys.index_copy_(0, dest, kept_k)
+            self.values.index_copy_(0, dest, kept_v)
         self.pending = None
 
-    def store_prompts(self, keep_idx: torch.Tensor | None) -> None:
+    def store_prompts(self, keep_idx: torch.Tensor | None, group: tuple[int, int] | None = None) -> None:
         """Shared prompts: keep each distinct prompt's kept keys once (indices into the prompt axis [U, H,
-        prompt_slots]; None keeps the whole prompt, for a policy whose rows select on their own)."""
+        prompt_slots]; None keeps the whole prompt, for a policy whose rows select on their own). `group`: the
+        distinct prompts (first, end) of U these are (a row group of `layerwise_prefill`), None: all of them."""
         k, v = self.pending
+        self.pending = None
         if keep_idx is not None:
             idx = keep_idx.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
             k, v = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
-        self.prompt_keys, self.prompt_values = k.contiguous(), v.contiguous()
-        self.pending = None
+        if group is None:
+            self.prompt_keys, self.prompt_values = k.contiguous(), v.contiguous()
+            return
+        g0, g1 = group
+        if g0 == 0:  # the first group: the storage of every distinct prompt
+            shape = (len(self.state.prefill_pad), *k.shape[1:])
+            self.prompt_keys, self.prompt_values = k.new_empty(shape), v.new_empty(shape)
+        self.prompt_keys[g0:g1] = k
+        self.prompt_values[g0:g1] = v
 
     def get_seq_length(self) -> int:
         return self.state.seq_length  # host-side: asking the device would sync every layer
@@ -295,34 +315,36 @@ def prefill_attention(st: RolloutState, layer: int, query, key, value, scaling: 
 
 def _prefill_chunk(st: RolloutState, layer: int, query, key, value, scaling: float, cache: EvictingCache):
     """One chunk of a layer-by-layer prefill (`layerwise_prefill`): the output of its queries (rows r0..r1,
-    positions q0..q1) over their rows' keys 0..q1, and what the policy observes of it; after the layer's last
-    chunk, the policy's selection over the whole prompt, as `_prefill_output` and `_select_and_store` do in one
-    pass. SnapKV's window queries are kept until then (the window attends to every prompt key); H2O's column
-    sums accumulate chunk by chunk (a key's sum gathers every later query)."""
+    positions q0..q1) over their rows' keys 0..q1, and what the policy observes of it; after the row group's last
+    chunk in this layer, the policy's selection over the group's whole prompts, as `_prefill_output` and
+    `_select_and_store` do in one pass. SnapKV's window queries are kept until then (the window attends to every
+    prompt key); H2O's column sums accumulate chunk by chunk (a key's sum gathers every later query)."""
     r0, r1, q0, q1 = st.prefill_chunk
-    rows, P, H = len(st.prefill_pad), st.seq_length, key.shape[1]
+    g0, g1 = st.prefill_group
+    P, H = st.seq_length, key.shape[1]
     need = st.policy.needs_attention
     end = P - min(st.policy.window_tail, P)  # SnapKV's window ends here (window_anchor)
     w = min(st.eviction["window"], end)
-    if r0 == 0 and q0 == 0:  # the layer's first chunk
+    if r0 == g0 and q0 == 0:  # the group's first chunk in this layer
         if need == "all":
-            st.prefill_obs = query.new_zeros(rows, H, 1, P, dtype=torch.float32)
+            st.prefill_obs = query.new_zeros(g1 - g0, H, 1, P, dtype=torch.float32)
         elif need == "window":
-            st.prefill_obs = query.new_zeros(rows, query.shape[1], w, query.shape[-1])
+            st.prefill_obs = query.new_zeros(g1 - g0, query.shape[1], w, query.shape[-1])
     if need == "all":
-        out = _explicit_prefill(st, query, key, value, scaling, q0, slice(r0, r1), st.prefill_obs[r0:r1])
+        out = _explicit_prefill(st, query, key, value, scaling, q0, slice(r0, r1), st.prefill_obs[r0 - g0:r1 - g0])
     elif q0 == 0 and not st.padded:  # queries and keys both start at 0: SDPA's causal kernel
         out = sdpa_gqa(query, key, value, scaling, causal=True)
     else:
         out = sdpa_gqa(query, key, value, scaling, mask=st.prefill_mask(q0, q1, q1, slice(r0, r1)))
     if need == "window" and max(q0, end - w) < min(q1, end):
         a, b = max(q0, end - w), min(q1, end)
-        st.prefill_obs[r0:r1, :, a - (end - w): b - (end - w)] = query[:, :, a - q0: b - q0]
-    if r1 == rows and q1 == P:  # the layer's last chunk: select over the whole prompt
+        st.prefill_obs[r0 - g0:r1 - g0, :, a - (end - w): b - (end - w)] = query[:, :, a - q0: b - q0]
+    if r1 == g1 and q1 == P:  # the group's last chunk in this layer: select over its whole prompts
         keys, values = cache.layers[layer].pending
         attn_obs = st.prefill_obs
         if need == "window":
-            attn_obs = _attend_grouped(st.prefill_obs, keys, None, st.prefill_mask(end - w, end, P), scaling, H)[1]
+            attn_obs = _attend_grouped(st.prefill_obs, keys, None, st.prefill_mask(end - w, end, P, slice(g0, g1)),
+                                       scaling, H)[1]
         st.prefill_obs = None
         _select_and_store(st, layer, attn_obs, H, P, cache.layers[layer])
     return out
@@ -331,49 +353,88 @@ def _prefill_chunk(st: RolloutState, layer: int, query, key, value, scaling: flo
 def _select_and_store(st: RolloutState, layer: int, attn_obs: torch.Tensor | None, H: int, P: int,
                       layer_cache: EvictingLayer) -> None:
     """The policy's prefill selection over the layer's prompt keys (`layer_cache.pending`), and the kept keys into
-    the layer's slots (or, shared, stored once per distinct prompt)."""
+    the layer's slots (or, shared, stored once per distinct prompt).
+
+    `st.prefill_group` set (a row group of `layerwise_prefill`): the pending keys and `attn_obs` are the group's
+    prefill rows, and only the batch rows taking their prompt from the group (`st.prefill_group_rows`) are
+    written; the first group allocates every row's slots. Each row's selection depends on its own prompt only,
+    so the groups' results are the whole batch's."""
     rows = st.prefill_rows
-    if rows is None:
-        slots = _select_prompt_slots(st, layer, _prompt_slots(st.prompt_pad, H, P), attn_obs, st.step_keep,
-                                     st.step_window, st.prompt_lens, st.evict_at[layer])
-        st.slots[layer], order = _front_slots(slots, st.capacity)
-        layer_cache.finish_prefill(order)
+    dest = None if st.prefill_group is None else st.prefill_group_rows  # the batch rows written (None: all)
+
+    def of_dest(t: torch.Tensor) -> torch.Tensor:
+        return t if dest is None else t.index_select(0, dest)
+
+    if rows is None or st.policy.prefill_per_row:  # a selection per batch row
+        if rows is not None and attn_obs is not None:  # the group's distinct prompts' attention, per row
+            attn_obs = attn_obs.index_select(0, _local_prompts(st, rows, dest))
+        evict_at = of_dest(st.evict_at[layer])  # a view of every row's entries when dest is None
+        slots = _select_prompt_slots(st, layer, _prompt_slots(of_dest(st.prompt_pad), H, P), attn_obs,
+                                     of_dest(st.step_keep), of_dest(st.step_window), of_dest(st.prompt_lens),
+                                     evict_at, dest)
+        written = None if dest is None else evict_at
+        if rows is not None and st.shares_storage:  # slot s is prompt position s (left-padded), stored whole
+            _put_rows(st, layer, with_own_slots(slots, st.decode_slots), dest, written)
+            layer_cache.store_prompts(None, st.prefill_group)
+            return
+        slots, order = _front_slots(slots, st.capacity)
+        _put_rows(st, layer, slots, dest, written)
+        layer_cache.finish_prefill(order, None if rows is None else _local_prompts(st, rows, dest), dest)
         return
-    if st.policy.prefill_per_row:
-        if attn_obs is not None:
-            attn_obs = attn_obs.index_select(0, rows)
-        slots = _select_prompt_slots(st, layer, _prompt_slots(st.prompt_pad, H, P), attn_obs, st.step_keep,
-                                     st.step_window, st.prompt_lens, st.evict_at[layer])
-        if st.shares_storage:  # slot s is prompt position s (left-padded) of the row's prompt, stored whole
-            st.slots[layer] = with_own_slots(slots, st.decode_slots)
-            layer_cache.store_prompts(None)
-        else:
-            st.slots[layer], order = _front_slots(slots, st.capacity)
-            layer_cache.finish_prefill(order, rows)
-        return
-    first = st.prefill_first
+    # One selection per distinct prompt (of the group), copied to its rows.
+    g0, g1 = st.prefill_group or (0, len(st.prefill_first))
+    first = st.prefill_first[g0:g1]
+    local = _local_prompts(st, rows, dest)
     evict_at = st.evict_at.new_full((len(first), *st.evict_at.shape[2:]), -1)
-    slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad, H, P), attn_obs,
+    slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad[g0:g1], H, P), attn_obs,
                                  st.step_keep.index_select(0, first), st.step_window.index_select(0, first),
                                  st.prompt_lens.index_select(0, first), evict_at)
-    st.evict_at[layer].copy_(evict_at.index_select(0, rows))  # before prefill every entry is -1
     if st.shares_storage:
         slots, order = _front_slots(slots, st.prompt_slots)
-        st.slots[layer] = with_own_slots(rows_of(slots, rows), st.decode_slots)
-        layer_cache.store_prompts(order)
+        _put_rows(st, layer, with_own_slots(rows_of(slots, local), st.decode_slots), dest,
+                  evict_at.index_select(0, local))
+        layer_cache.store_prompts(order, st.prefill_group)
     else:
         slots, order = _front_slots(slots, st.capacity)
-        st.slots[layer] = rows_of(slots, rows)
-        layer_cache.finish_prefill(order, rows)
+        _put_rows(st, layer, rows_of(slots, local), dest, evict_at.index_select(0, local))
+        layer_cache.finish_prefill(order, local, dest)
+
+
+def _local_prompts(st: RolloutState, rows: torch.Tensor, dest: torch.Tensor | None) -> torch.Tensor:
+    """Shared prompts: the distinct prompt each written batch row takes, counted from the row group's first."""
+    if dest is None:
+        return rows
+    return rows.index_select(0, dest) - st.prefill_group[0]
+
+
+def _put_rows(st: RolloutState, layer: int, slots: LayerSlots, dest: torch.Tensor | None,
+              evict_at: torch.Tensor | None) -> None:
+    """The layer's slots (and `evict_at` entries, None: already written in place) of batch rows `dest` (None:
+    every row, `slots` is the layer's)."""
+    if dest is None:
+        st.slots[layer] = slots
+        if evict_at is not None:
+            st.evict_at[layer].copy_(evict_at)  # before prefill every entry is -1
+        return
+    if st.prefill_group[0] == 0:  # the first row group: every row's slots, filled group by group
+        B = len(st.prompt_lens_host)
+        st.slots[layer] = LayerSlots(
+            slot_pos=slots.slot_pos.new_full((B, *slots.slot_pos.shape[1:]), -1),
+            extra={name: t.new_zeros((B, *t.shape[1:])) for name, t in slots.extra.items()})
+    whole = st.slots[layer]
+    whole.slot_pos.index_copy_(0, dest, slots.slot_pos)
+    for name, t in slots.extra.items():
+        whole.extra[name].index_copy_(0, dest, t)
+    st.evict_at[layer].index_copy_(0, dest, evict_at)
 
 
 def _select_prompt_slots(st: RolloutState, layer: int, slots: LayerSlots, attn_obs: torch.Tensor | None,
                          keep: torch.Tensor, window: torch.Tensor, prompt_lens: torch.Tensor,
-                         evict_at: torch.Tensor) -> LayerSlots:
+                         evict_at: torch.Tensor, batch_rows: torch.Tensor | None = None) -> LayerSlots:
     """The policy's prefill selection over `slots` (one per prompt position): observe the prompt's attention,
-    then evict down to `keep`, recording into `evict_at` [rows, H, T]. Rows are the batch's or the distinct
-    prompts'; every argument has the same rows."""
-    st.policy.observe_prefill(layer, slots, attn_obs)
+    then evict down to `keep`, recording into `evict_at` [rows, H, T]. Rows are the batch's (`batch_rows` of them
+    for a row group, None: all) or the distinct prompts'; every argument has the same rows."""
+    st.policy.observe_prefill(layer, slots, attn_obs, batch_rows)
     if st.policy.evicts:
         evict(slots, st.policy.scores(layer, slots), keep, prompt_lens - 1, st.eviction["sinks"], window, evict_at)
     return slots
@@ -911,29 +972,44 @@ def prefill_chunks(rows: int, length: int, chunk_tokens: int) -> list[tuple[int,
 
 def layerwise_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, state: RolloutState,
                       cache: EvictingCache, kwargs: dict[str, Any], chunk_tokens: int) -> torch.Tensor:
-    """The prefill layer by layer, each layer in chunks of at most `chunk_tokens` query tokens (`prefill_chunks`),
-    each layer compressed right after its last chunk: returns the logits [rows, 1, V] of the first response token.
+    """The prefill row group by row group, each group through every layer in chunks of at most `chunk_tokens`
+    query tokens (`prefill_chunks`: several short prompts at once, or one long prompt in query chunks), each
+    layer's keys compressed right after the group's last chunk in it: returns the logits [rows, 1, V] of the
+    first response token.
 
-    What the prefill holds at once is the prompts' hidden states, one layer's uncompressed keys and values
-    (the next layer's start after this one's were compressed into its slots), and one chunk's activations
-    (attention and the MLP's intermediate): bounded by the chunk instead of the batch's prompt tokens. SnapKV's
-    observation window still attends to the whole prompt and H2O's column sums still gather every query
-    (`_prefill_chunk`). The same layers, positions and masks as the model's forward: equal to it up to float
-    rounding (tests/test_long_context_rollout.py)."""
+    What the prefill holds beyond the compressed cache is one group's hidden states and rotary tables, one layer's
+    uncompressed keys and values of the group, and one chunk's activations (attention and the MLP's
+    intermediate): bounded by the chunk, not by the batch's prompt tokens (vLLM's chunked prefill runs each
+    chunk through every layer the same way). SnapKV's observation window still attends to the whole prompt and
+    H2O's column sums still gather every query (`_prefill_chunk`). The same layers, positions and masks as the
+    model's forward: equal to it up to float rounding (tests/test_long_context_rollout.py)."""
     base = model.model
-    hidden = base.embed_tokens(input_ids)
-    cos, sin = base.rotary_emb(hidden, position_ids=position_ids)
     rows, P = input_ids.shape
     plan = prefill_chunks(rows, P, chunk_tokens)
-    for layer in base.layers[: model.config.num_hidden_layers]:
-        for r0, r1, q0, q1 in plan:
-            state.prefill_chunk = (r0, r1, q0, q1)
-            hidden[r0:r1, q0:q1] = layer(hidden[r0:r1, q0:q1], attention_mask=None,
-                                         position_ids=position_ids[r0:r1, q0:q1], past_key_values=cache,
-                                         use_cache=True, position_embeddings=(cos[r0:r1, q0:q1], sin[r0:r1, q0:q1]),
-                                         **kwargs)
-    state.prefill_chunk = None
-    return model.lm_head(base.norm(hidden[:, -1:]))
+    groups = sorted({(r0, r1) for r0, r1, _, _ in plan})
+    logits = []
+    for g0, g1 in groups:
+        state.prefill_group = (g0, g1)
+        if state.prefill_rows is None:
+            state.prefill_group_rows = torch.arange(g0, g1, device=state.device)
+        else:  # the batch rows whose distinct prompt is in the group
+            taken = state.prefill_rows
+            state.prefill_group_rows = ((taken >= g0) & (taken < g1)).nonzero().squeeze(1)
+        chunks = [(r0, r1, q0, q1) for r0, r1, q0, q1 in plan if (r0, r1) == (g0, g1)]
+        hidden = base.embed_tokens(input_ids[g0:g1])
+        cos, sin = base.rotary_emb(hidden, position_ids=position_ids[g0:g1])
+        for layer in base.layers[: model.config.num_hidden_layers]:
+            for r0, r1, q0, q1 in chunks:
+                state.prefill_chunk = (r0, r1, q0, q1)
+                part = slice(r0 - g0, r1 - g0)
+                hidden[part, q0:q1] = layer(hidden[part, q0:q1], attention_mask=None,
+                                            position_ids=position_ids[r0:r1, q0:q1], past_key_values=cache,
+                                            use_cache=True, position_embeddings=(cos[part, q0:q1], sin[part, q0:q1]),
+                                            **kwargs)
+        logits.append(model.lm_head(base.norm(hidden[:, -1:])))
+        del hidden, cos, sin
+    state.prefill_chunk = state.prefill_group = state.prefill_group_rows = None
+    return torch.cat(logits)
 
 
 def _decode_step(model, feed: torch.Tensor, position_ids: torch.Tensor, cache: EvictingCache,

@@ -65,8 +65,11 @@ class EvictionPolicy:
                     device: torch.device) -> None:
         """A batch of `batch` sequences (left-padded to `prompt_len`) starts on `device`."""
 
-    def observe_prefill(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None) -> None:
-        """attn: [B, H_kv, Q, S] attention summed over each GQA group (None if not needed)."""
+    def observe_prefill(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None,
+                        rows: torch.Tensor | None = None) -> None:
+        """attn: [B, H_kv, Q, S] attention summed over each GQA group (None if not needed). `rows`: the batch rows
+        `slots` hold, in order, when the prefill selects a group of rows at a time (`layerwise_prefill`); None:
+        every row of the batch (or, for a policy that is not `prefill_per_row`, every distinct prompt)."""
 
     def observe_decode(self, layer: int, slots: LayerSlots, attn: torch.Tensor | None) -> None:
         """attn: [B, H_kv, 1, S] for the token just decoded (None if not needed)."""

@@ -22,7 +22,7 @@ class H2OPolicy(EvictionPolicy):
     name = "h2o"
     needs_attention = "all"
 
-    def observe_prefill(self, layer, slots, attn):
+    def observe_prefill(self, layer, slots, attn, rows=None):
         slots.extra["acc"] = attn.sum(dim=2).to(torch.float64)
 
     def observe_decode(self, layer, slots, attn):

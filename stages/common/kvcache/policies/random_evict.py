@@ -31,8 +31,9 @@ class RandomPolicy(EvictionPolicy):
         # decoding step would specialise on it and recompile).
         self.inserted = [torch.zeros((1,), dtype=torch.long, device=device) for _ in range(self.num_layers)]
 
-    def observe_prefill(self, layer, slots, attn):
-        slots.extra["priority"] = self.prompt_draws[layer]
+    def observe_prefill(self, layer, slots, attn, rows=None):
+        draws = self.prompt_draws[layer]
+        slots.extra["priority"] = draws if rows is None else draws.index_select(0, rows)
 
     def on_insert(self, layer, slots, batch_idx, head_idx, slot_idx):
         draw = self.step_draws[layer].index_select(0, self.inserted[layer])[0]

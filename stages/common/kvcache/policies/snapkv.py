@@ -80,7 +80,7 @@ class SnapKVPolicy(EvictionPolicy):
     def observe_window(self, layer, slots, attn):
         self.window_scores[layer] = attn.to(torch.float64)
 
-    def observe_prefill(self, layer, slots, attn):
+    def observe_prefill(self, layer, slots, attn, rows=None):
         # attn: [B, H, w, P] for the last w prompt queries (positions in order here).
         cfg = self.cfg
         pooled = pooled_window_scores(attn, cfg.window, cfg.pooling, cfg.pooling_kernel, cfg.snapkv_pool_scope,
