@@ -430,9 +430,17 @@ def reference_nll_batch(model, tokenizer, prompts: list[list[int]], references: 
         ids[b, : len(p) + len(r)] = torch.tensor(p + r, device="cpu")
         mask[b, : len(p) + len(r)] = 1
         targets[b, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(r, device="cpu")
+    # Logits only at the positions that predict a reference token (their union over the batch, at most its
+    # reference tokens): the whole [B, T, V] and its log-softmax would be gigabytes at long context (16 rows x 2k
+    # tokens x SmolLM2's 49k vocabulary = 6.4 GB in float32, twice).
+    keep = sorted({t for p, r in seqs for t in range(len(p) - 1, len(p) + len(r) - 1)})
+    column = {t: i for i, t in enumerate(keep)}  # a row's positions are consecutive, so are their columns
+    keep_idx = torch.tensor(keep, dtype=torch.long, device="cpu")
     device = model_device(model)
     with torch.no_grad():
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                       logits_to_keep=keep_idx.to(device)).logits  # [B, len(keep), V]
+    kept_targets = targets.index_select(1, keep_idx).to(device)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, kept_targets.unsqueeze(-1)).squeeze(-1)
     picked = logp.cpu()  # one host copy per batch
-    return [-float(picked[b, len(p) - 1: len(p) + len(r) - 1].sum()) for b, (p, r) in enumerate(seqs)]
+    return [-float(picked[b, column[len(p) - 1]: column[len(p) - 1] + len(r)].sum()) for b, (p, r) in enumerate(seqs)]
