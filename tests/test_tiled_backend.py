@@ -99,3 +99,65 @@ def test_model_logits_and_gradients_tiled_equal_sdpa(tmp_path):
     chain = model_chain(model.config, ids.shape[1])
     for name, g in results["sdpa"][1].items():
         assert within_float32_bound(results["tiled"][1][name], g, chain), name
+
+
+def test_tiles_split_rows_evenly():
+    """No one-row tail tile: as few tiles as `tile_rows` allows, of near-equal sizes, covering the rows once."""
+    from stages.learner.tiled_backend import _tiles
+
+    assert _tiles(0, 257, 256) == [(0, 128), (128, 257)]
+    assert _tiles(5, 5, 256) == [] and _tiles(3, 4, 256) == [(3, 4)]
+    for first, rows, tile in [(0, 1000, 256), (17, 530, 7), (0, 64, 1), (2, 9, 100)]:
+        tiles = _tiles(first, rows, tile)
+        assert tiles[0][0] == first and tiles[-1][1] == rows
+        assert all(b0 == a1 for (_, b0), (a1, _) in zip(tiles, tiles[1:]))
+        sizes = [b - a for a, b in tiles]
+        assert max(sizes) <= tile and max(sizes) - min(sizes) <= 1 and len(tiles) == -(-(rows - first) // tile)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "random"])
+@pytest.mark.parametrize(("suffix", "tile"), [(0, 5), (0, 256), (29, 3), (29, 256)])
+def test_tile_plan_masks_equal_the_visibility(policy, suffix, tile):
+    """Each step's key list is the keys some row of its tile sees, and its mask (computed on the `partial` columns
+    only) is exactly the visibility of those keys to the tile's rows; every visible (row, key) is in one step; a
+    tile after a sequence's first eviction never gathers the keys evicted there."""
+    from stages.learner.tiled_backend import _plan, _tile_mask
+
+    lengths, prompts = [70, 52, 64], [30, 26, 33]  # different prompts: the first eviction differs per sequence
+    ev = _evict_at(policy, lengths, prompts, 2, seed=5)
+    T = ev.shape[-1]
+    Q = T - suffix
+    first = min(int(ev.min()), Q) if suffix == 0 else 0
+    vis = visibility(ev)[:, :, suffix:]  # [B, H, Q, T]
+    covered = torch.zeros_like(vis)
+    for i, h, a, b, cols, partial in _plan(ev, suffix, first, Q, tile):
+        assert b - a <= tile
+        mask = _tile_mask(ev, i, h, suffix + a, suffix + b, cols, partial, torch.float64)[0, 0]
+        want = vis[i, h, a:b][:, cols]
+        assert torch.equal(mask == 0, want) and bool(torch.isinf(mask[~want]).all())
+        assert bool(want.any(0).all())  # every gathered key is seen by some row of the tile
+        assert int(vis[i, h, a:b].sum()) == int(want.sum())  # no key the tile's rows see is left out
+        covered[i, h, a:b] |= vis[i, h, a:b]
+        lead = int(ev[i, h][ev[i, h] > suffix].min()) - suffix
+        if a >= lead:  # after the first eviction: the keys evicted at it are not gathered
+            assert not bool((ev[i, h, cols] <= suffix + lead).any())
+    assert torch.equal(covered[:, :, first:], vis[:, :, first:])
+
+
+@pytest.mark.parametrize(("suffix", "tile"), [(0, 6), (0, 256), (27, 4), (27, 256)])
+def test_tiled_float64_equals_sdpa(suffix, tile):
+    """In float64 the tiled pass (even tiles, per-sequence first-eviction tiles, masks on the partly visible
+    columns, the kernel's GQA) equals the explicit-mask reference, values and gradients, to 1e-12."""
+    lengths, prompts = [66, 41, 58], [31, 20, 28]
+    ev = _evict_at("snapkv", lengths, prompts, 2, seed=9)
+    B, T, D = len(lengths), max(lengths), 8
+    Q = T - suffix
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, 6, Q, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, 2, T, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad = torch.randn(B, 6, Q, D, generator=g, dtype=torch.float64)
+    ref, ref_grads = _out_and_grads(lambda: _reference(q, k, v, ev, D**-0.5), q, k, v, grad)
+    out, grads = _out_and_grads(lambda: tiled_shadow_attention(q, k, v, ev, D**-0.5, tile), q, k, v, grad)
+    assert float((out - ref).abs().max()) <= 1e-12
+    for got, want in zip(grads, ref_grads):
+        assert float((got - want).abs().max()) <= 1e-12 * max(1.0, float(want.abs().max()))

@@ -7,7 +7,10 @@ each (sequence, KV head), only the keys that head still shows to some row of the
 with k < tile end and evict_at[k] > tile start — so evicted keys cost nothing, and the mask of the tile
 (`k <= q and evict_at[k] > q`, additive 0 / -inf) covers [rows x gathered keys] only: temporaries are
 O(tile_rows x T) per step, never T x T. The query heads of a KV group share its mask and keys, so they run as
-one call with the group's heads stacked as rows (GQA without repeating keys).
+one call through the kernel's own GQA (query heads [1, groups, rows, D] against one KV head, the mask broadcast
+over the group: nothing repeated). The tiles split the rows evenly (no one-row tail tile), the key lists are built
+once by the forward and kept for the backward, and a tile's mask is computed on its partly visible columns only
+(the tile's own keys and those evicted inside it; every other gathered key is visible to every row).
 
 Rows before the first eviction see exactly their causal prefix: they run through the dense causal kernel
 (`is_causal=True`), the dense learner's own.
@@ -22,8 +25,6 @@ Values and gradients equal the `sdpa` reference backend's to float rounding (tes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -33,39 +34,63 @@ from schemas.errors import SmdInputError
 DEFAULT_TILE_ROWS = 256
 
 
-def _tile_steps(key: Tensor, value: Tensor, ev: Tensor, offset: int, first: int, tile_rows: int, groups: int,
-                dtype: torch.dtype) -> Iterator[tuple[int, slice, int, int, Tensor, Tensor, Tensor, Tensor]]:
-    """Every step of the tiled pass, in the same order for forward and backward: per tile [a, b) of the query
-    rows after the causal rows [0, first) (absolute positions offset + a ...) and per (sequence i, KV head h),
-    (i, the query heads of h, a, b, the keys some row still sees (indices cols), their keys and values
-    [1, 1, nc, D], the additive mask [1, 1, groups * (b - a), nc] (0 visible, -inf hidden; the group's heads
-    stacked as rows))."""
+def _tiles(first: int, rows: int, tile_rows: int) -> list[tuple[int, int]]:
+    """The query tiles [a, b) over the rows [first, rows): as few as `tile_rows` allows, of near-equal sizes (257 rows
+    are 128 + 129, not 256 + 1: a one-row tile gathers every key for one row)."""
+    n = rows - first
+    if n <= 0:
+        return []
+    count = -(-n // tile_rows)
+    bounds = [first + j * n // count for j in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _plan(ev: Tensor, offset: int, first: int, rows: int, tile_rows: int) -> list[tuple[int, int, int, int, Tensor, Tensor]]:
+    """Every step of the tiled pass, in the order forward and backward both run it: per (sequence i, KV head h) and
+    per tile [a, b) of its query rows after the causal rows [0, first) (absolute positions offset + a ...), (i, h,
+    a, b, the keys some row of the tile still sees (indices `cols`: k < tile end and evict_at[k] > tile start),
+    the positions in `cols` of the keys some row of the tile does not see (`partial`: the tile's own keys, causal,
+    and the keys evicted inside the tile)). The rows of (i, h) before its first eviction (the last prompt row when
+    the rows continue a cached prompt) form tiles of their own: the many keys a prefill's compression evicts at
+    once are then gathered for those rows only, not for the whole tile after them. Built once by the forward and
+    kept for the backward (index lists only: O(keys) per step)."""
     B, H, T = ev.shape
     pos = torch.arange(T, device=ev.device)
-    for a in range(first, key.shape[2] - offset, tile_rows):
-        b = min(a + tile_rows, key.shape[2] - offset)
-        start, stop = offset + a, offset + b
-        q_pos = pos[start:stop].view(-1, 1)
-        for i in range(B):
-            for h in range(H):
-                e = ev[i, h]
+    # the first row of (i, h) whose keys are not all visible (keys hidden from every row here do not count)
+    lead = (torch.where(ev > offset, ev, T + offset + rows).amin(-1) - offset).clamp(first, rows).tolist()
+    steps = []
+    for i in range(B):
+        for h in range(H):
+            e = ev[i, h]
+            for a, b in _tiles(first, lead[i][h], tile_rows) + _tiles(lead[i][h], rows, tile_rows):
+                start, stop = offset + a, offset + b
                 cols = ((pos < stop) & (e > start)).nonzero().flatten()
-                visible = (cols.view(1, -1) <= q_pos) & (e[cols].view(1, -1) > q_pos)
-                mask = torch.zeros(visible.shape, dtype=dtype, device=ev.device).masked_fill_(~visible, float("-inf"))
-                mask = mask.unsqueeze(0).expand(groups, -1, -1).reshape(1, 1, groups * (b - a), -1)
-                yield (i, slice(h * groups, (h + 1) * groups), a, b, cols, key[i, h, cols][None, None],
-                       value[i, h, cols][None, None], mask)
+                # every row q of the tile (start <= q < stop) sees key k < start with evict_at[k] >= stop
+                partial = ((cols >= start) | (e.index_select(0, cols) < stop)).nonzero().flatten()
+                steps.append((i, h, a, b, cols, partial))
+    return steps
 
 
-def _group_rows(x: Tensor, i: int, heads: slice, a: int, b: int) -> Tensor:
-    """Rows [a, b) of the query heads `heads` of sequence i, the heads stacked as rows: [1, 1, G * t, D]."""
-    return x[i, heads, a:b].reshape(1, 1, -1, x.shape[-1])
+def _tile_mask(ev: Tensor, i: int, h: int, start: int, stop: int, cols: Tensor, partial: Tensor,
+               dtype: torch.dtype) -> Tensor:
+    """The additive mask [1, 1, stop - start, len(cols)] of one step (0 visible, -inf hidden: query q sees key k iff
+    k <= q and evict_at[k] > q), computed on the `partial` columns only (every other column is visible to every
+    row), broadcast by the kernel over the KV group's query heads."""
+    mask = torch.zeros(stop - start, cols.numel(), dtype=dtype, device=ev.device)
+    if partial.numel():
+        k = cols.index_select(0, partial).view(1, -1)
+        q_pos = torch.arange(start, stop, device=ev.device).view(-1, 1)
+        visible = (k <= q_pos) & (ev[i, h].index_select(0, k.view(-1)).view(1, -1) > q_pos)
+        mask[:, partial] = torch.zeros(visible.shape, dtype=dtype, device=ev.device).masked_fill_(~visible,
+                                                                                                float("-inf"))
+    return mask.view(1, 1, stop - start, -1)
 
 
 class _TiledShadow(torch.autograd.Function):
     """query [B, Hq, Q, D] (absolute rows [offset, offset + Q)), key / value [B, H, T, D], evict_at [B, H, T]
     -> out [B, Hq, Q, D] for the tiled rows [first, Q) (rows before `first` are left zero: the caller runs them
-    causally)."""
+    causally). Each step is one kernel call of the KV group's query heads [1, groups, rows, D] against its one
+    KV head's gathered keys [1, 1, keys, D] (the kernel's own GQA: no copy of the mask or the queries per head)."""
 
     @staticmethod
     def forward(ctx, query, key, value, ev, offset: int, first: int, scale: float, tile_rows: int):
@@ -76,15 +101,18 @@ class _TiledShadow(torch.autograd.Function):
         lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         lse = torch.zeros(B, Hq, Q, dtype=lse_dtype, device=query.device)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        steps = _plan(ev, offset, first, Q, tile_rows)
         with torch.no_grad():
-            for i, heads, a, b, _, k, v, mask in _tile_steps(key, value, ev, offset, first, tile_rows, groups,
-                                                             query.dtype):
-                o, log_sum_exp = flash(_group_rows(query, i, heads, a, b), k, v, 0.0, False, attn_mask=mask,
-                                       scale=scale)
-                out[i, heads, a:b] = o.view(groups, b - a, D)
-                lse[i, heads, a:b] = log_sum_exp.view(groups, b - a)
+            for i, h, a, b, cols, partial in steps:
+                heads = slice(h * groups, (h + 1) * groups)
+                mask = _tile_mask(ev, i, h, offset + a, offset + b, cols, partial, query.dtype)
+                k = key[i, h].index_select(0, cols)[None, None]
+                v = value[i, h].index_select(0, cols)[None, None]
+                o, log_sum_exp = flash(query[i:i + 1, heads, a:b], k, v, 0.0, False, attn_mask=mask, scale=scale)
+                out[i, heads, a:b] = o[0]
+                lse[i, heads, a:b] = log_sum_exp[0]
         ctx.save_for_backward(query, key, value, ev, out, lse)
-        ctx.offset, ctx.first, ctx.scale, ctx.tile_rows = offset, first, scale, tile_rows
+        ctx.offset, ctx.scale, ctx.steps = offset, scale, steps
         return out
 
     @staticmethod
@@ -97,15 +125,19 @@ class _TiledShadow(torch.autograd.Function):
         dk = torch.zeros_like(key)
         dv = torch.zeros_like(value)
         flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        for i, heads, a, b, cols, k, v, mask in _tile_steps(key, value, ev, ctx.offset, ctx.first, ctx.tile_rows,
-                                                            groups, query.dtype):
-            gq, gk, gv = flash_backward(_group_rows(grad_out, i, heads, a, b), _group_rows(query, i, heads, a, b), k, v,
-                                        _group_rows(out, i, heads, a, b), lse[i, heads, a:b].reshape(1, 1, -1), 0.0,
-                                        False, attn_mask=mask, scale=ctx.scale)
-            dq[i, heads, a:b] = gq.view(groups, b - a, D)
-            h = heads.start // groups
+        offset = ctx.offset
+        for i, h, a, b, cols, partial in ctx.steps:
+            heads = slice(h * groups, (h + 1) * groups)
+            mask = _tile_mask(ev, i, h, offset + a, offset + b, cols, partial, query.dtype)
+            k = key[i, h].index_select(0, cols)[None, None]
+            v = value[i, h].index_select(0, cols)[None, None]
+            gq, gk, gv = flash_backward(grad_out[i:i + 1, heads, a:b], query[i:i + 1, heads, a:b], k, v,
+                                        out[i:i + 1, heads, a:b], lse[i:i + 1, heads, a:b], 0.0, False,
+                                        attn_mask=mask, scale=ctx.scale)
+            dq[i, heads, a:b] = gq[0]
             dk[i, h].index_add_(0, cols, gk.view(-1, D))
             dv[i, h].index_add_(0, cols, gv.view(-1, D))
+        ctx.steps = None
         return dq, dk, dv, None, None, None, None, None
 
 
