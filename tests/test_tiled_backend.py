@@ -161,3 +161,16 @@ def test_tiled_float64_equals_sdpa(suffix, tile):
     assert float((out - ref).abs().max()) <= 1e-12
     for got, want in zip(grads, ref_grads):
         assert float((got - want).abs().max()) <= 1e-12 * max(1.0, float(want.abs().max()))
+
+
+def test_tiled_backward_twice_with_retained_graph():
+    """The key lists the forward keeps serve every backward of a retained graph (`smdctl probe-kl` differentiates
+    one forward several times)."""
+    ev = _evict_at("snapkv", [40, 33], [20, 15], 2, seed=1)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 40, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = tiled_shadow_attention(q, k, v, ev, 8**-0.5, 16)
+    first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -137,7 +137,6 @@ class _TiledShadow(torch.autograd.Function):
             dq[i, heads, a:b] = gq[0]
             dk[i, h].index_add_(0, cols, gk.view(-1, D))
             dv[i, h].index_add_(0, cols, gv.view(-1, D))
-        ctx.steps = None
         return dq, dk, dv, None, None, None, None, None
 
 
