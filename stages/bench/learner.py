@@ -366,6 +366,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def _start_peak(device) -> tuple[int, bool]:
+    """Start a peak-memory measurement: the bytes in use now and whether the peak was reset. CUDA: the allocator's
+    peak is reset (read it with `max_memory_allocated`); CPU: glibc returns freed memory from now on, then VmHWM is
+    reset (False where the kernel refuses; read it with `_status_kib("VmHWM")`)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device), True
+    _malloc_live_tracking()
+    gc.collect()
+    can_reset = _reset_peak()
+    return _status_kib("VmRSS") * 1024, can_reset
+
+
 def measure_steps(shape: str, lengths, modes, device: str = "cpu", dtype: str = "float32", rounds: int = 2,
                   block_size: int = 128, chunk_tokens: int | None = None,
                   on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -670,15 +686,7 @@ def _child_lora(mode: str, T: int, block_size: int, threads: int, shape: str, lo
     trainable = [p for p in params if p.requires_grad]
     saved_mb, adapter_saved_mb = _saved_for_backward(learner.model, lambda: learner.step(mode))
     optimizer = [t for state in learner.opt.state.values() for t in state.values() if torch.is_tensor(t)]
-    if cuda:
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    else:
-        _malloc_live_tracking()
-        gc.collect()
-        can_reset = _reset_peak()
-        base = _status_kib("VmRSS") * 1024
+    base, can_reset = _start_peak(device)
     learner.step(mode)
     if cuda:
         _sync(device)

@@ -37,7 +37,6 @@ gradient norm, against the one process's.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import math
 import os
@@ -48,8 +47,7 @@ from typing import Any
 
 from stages.bench.learner import (
     SHAPES,
-    _malloc_live_tracking,
-    _reset_peak,
+    _start_peak,
     _status_kib,
     build_bench_model,
     describe_shape,
@@ -234,15 +232,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
         for p in model.parameters():
             p.grad.zero_()
         mb = batch(spec["T"])
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        else:
-            _malloc_live_tracking()
-            gc.collect()
-            can_reset = _reset_peak()
-            base = _status_kib("VmRSS") * 1024
+        base, can_reset = _start_peak(device)
         anon = _AnonPeak(enabled=not cuda)
         if world > 1:
             dist.barrier()

@@ -361,13 +361,14 @@ def _select_and_store(st: RolloutState, layer: int, attn_obs: torch.Tensor | Non
     so the groups' results are the whole batch's."""
     rows = st.prefill_rows
     dest = None if st.prefill_group is None else st.prefill_group_rows  # the batch rows written (None: all)
+    local = None if rows is None else _local_prompts(st, rows, dest)  # each written row's prompt in the group
 
     def of_dest(t: torch.Tensor) -> torch.Tensor:
         return t if dest is None else t.index_select(0, dest)
 
     if rows is None or st.policy.prefill_per_row:  # a selection per batch row
         if rows is not None and attn_obs is not None:  # the group's distinct prompts' attention, per row
-            attn_obs = attn_obs.index_select(0, _local_prompts(st, rows, dest))
+            attn_obs = attn_obs.index_select(0, local)
         evict_at = of_dest(st.evict_at[layer])  # a view of every row's entries when dest is None
         slots = _select_prompt_slots(st, layer, _prompt_slots(of_dest(st.prompt_pad), H, P), attn_obs,
                                      of_dest(st.step_keep), of_dest(st.step_window), of_dest(st.prompt_lens),
@@ -379,12 +380,11 @@ def _select_and_store(st: RolloutState, layer: int, attn_obs: torch.Tensor | Non
             return
         slots, order = _front_slots(slots, st.capacity)
         _put_rows(st, layer, slots, dest, written)
-        layer_cache.finish_prefill(order, None if rows is None else _local_prompts(st, rows, dest), dest)
+        layer_cache.finish_prefill(order, local, dest)
         return
     # One selection per distinct prompt (of the group), copied to its rows.
     g0, g1 = st.prefill_group or (0, len(st.prefill_first))
     first = st.prefill_first[g0:g1]
-    local = _local_prompts(st, rows, dest)
     evict_at = st.evict_at.new_full((len(first), *st.evict_at.shape[2:]), -1)
     slots = _select_prompt_slots(st, layer, _prompt_slots(st.prefill_pad[g0:g1], H, P), attn_obs,
                                  st.step_keep.index_select(0, first), st.step_window.index_select(0, first),
