@@ -3,12 +3,13 @@
 # fact_recall's eval split (64 held-out prompts, N facts) and greedy-decode it from the pretrained SmolLM2 with the
 # dense cache and with each compressed cache; print one table row per (length, cache).
 #
-#   bash scripts/long_context_probe.sh OUT [CONTEXTS] [PAIRS] [CACHES]
+#   bash scripts/long_context_probe.sh OUT [CONTEXTS] [PAIRS] [CACHES] [TASK_OVERRIDES]
 #     OUT       output directory (data and evaluations per setting; rerunning skips what exists)
 #     CONTEXTS  space-separated prepare.context_tokens (default "512 1000 2000 4000")
 #     PAIRS     prepare.num_pairs, the facts in the context (default 6)
 #     CACHES    space-separated name=overrides;... (default: SnapKV 0.5, SnapKV 0.5 with the window at the user
 #               turn's end, SnapKV 0.3)
+#     TASK_OVERRIDES space-separated prepare overrides for every setting, e.g. "prepare.question_position=start"
 # Needs `smdctl` on PATH and models/smollm2-135m-instruct (`smdctl convert-model smollm2 --out ...`).
 set -euo pipefail
 out=${1:?usage: long_context_probe.sh OUT [CONTEXTS] [PAIRS] [CACHES]}
@@ -19,6 +20,7 @@ model=${SMD_MODEL:-models/smollm2-135m-instruct}
 common=(-S "model.init_path=$model" -S prepare.task=fact_recall -S "prepare.num_pairs=$pairs" -S prepare.num_queries=1
         -S prepare.train_context_min_fraction=1.0 -S prepare.num_train=8 -S prepare.num_eval=64
         -S evaluate.max_new_tokens=16)
+for o in ${5:-}; do common+=(-S "$o"); done
 mkdir -p "$out"
 for c in $contexts; do
   data="$out/c$c/data"

@@ -56,6 +56,20 @@ def test_facts_question_and_reference(queries):
         assert rewards.score("fact_recall", reference, reference) == 1.0
 
 
+def test_question_at_the_start_precedes_the_same_notes():
+    """question_position=start moves the question before the notes: the same draws (facts, filler, asked
+    animals, reference), only the order of the prompt's parts differs, and the prompt ends in notes."""
+    end = cfg("prepare.num_pairs=5", "prepare.context_tokens=150")
+    start = cfg("prepare.num_pairs=5", "prepare.context_tokens=150", "prepare.question_position=start")
+    at_end = generate("fact_recall", end, seed=3, split="eval", n=20, generators=GENERATORS)
+    at_start = generate("fact_recall", start, seed=3, split="eval", n=20, generators=GENERATORS)
+    for (prompt_end, ref_end), (prompt_start, ref_start) in zip(at_end, at_start, strict=True):
+        head, notes, question = prompt_end.split("\n\n")
+        assert prompt_start.split("\n\n") == [head, question, notes]
+        assert ref_start == ref_end
+        assert prompt_start.endswith(notes) and not prompt_start.endswith(question)
+
+
 def test_scoring_reads_the_numbers_in_order():
     assert rewards.metric_name("fact_recall") == "kv_fraction"
     assert rewards.score("fact_recall", "The owl has number 42.", "42") == 1.0
@@ -80,7 +94,8 @@ def test_prepare_renders_through_the_chat_template(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, field", [(["prepare.num_pairs=21", "prepare.num_queries=1"], "num_pairs"),
-                                              (["prepare.num_pairs=2", "prepare.num_queries=3"], "num_queries")])
+                                              (["prepare.num_pairs=2", "prepare.num_queries=3"], "num_queries"),
+                                              (["prepare.question_position=middle"], "question_position")])
 def test_out_of_range_parameters_name_the_field(overrides, field):
     with pytest.raises(Exception, match=field):
         cfg(*overrides)

@@ -82,6 +82,13 @@ class PrepareParams(BaseModel):
         description="kv_retrieval, fact_recall: keys asked for; the answer lists their values in query order.",
     )
     value_digits: int = Field(2, ge=1, le=6, description="kv_retrieval, fact_recall: digits of each value.")
+    question_position: Literal["end", "start"] = Field(
+        "end",
+        description="fact_recall: where the question goes. end = after the notes (the prompt's last tokens, "
+        "SnapKV's observation window, hold the question); start = before the notes (instruction, question, "
+        "notes), so the prefill's eviction does not see which fact will be asked: the query-agnostic setting "
+        "of SCBench and kvpress's benchmarks, where eviction costs more.",
+    )
     # var_tracking
     num_hops: int = Field(
         3, ge=1, le=20, description="var_tracking: assignments between the queried variable and its number."

@@ -12,6 +12,10 @@ and the response target is the template's assistant turn (`stages.common.model.r
   in that order, separated by commas." -> "42, 17"). Scored like kv_retrieval (schemas.rewards `kv_fraction`:
   the fraction of asked numbers given at their position). Animal names never occur in filler, so the fact is
   the only place that links an animal to its number; a KV cache that evicts it costs reward.
+  `question_position: start` puts the question before the notes (instruction, question, notes): the prompt's
+  last tokens, SnapKV's observation window, are then notes, not the question, so the prefill's selection does
+  not know which fact will be asked. This is the query-agnostic setting of SCBench (Li et al. 2024) and of
+  kvpress's benchmarks, which compress the context before the question arrives; there SnapKV costs more.
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ def fact_recall(rng: random.Random, p: PrepareParams, context_tokens: int) -> tu
     # Every interleaving of facts and filler equally likely, facts in their drawn order (synthetic.interleave).
     notes = " ".join(interleave(rng, facts, count_tokens(INSTRUCTION) + count_tokens(tail), context_tokens,
                                 filler_sentence))
-    return f"{INSTRUCTION}\n\n{notes}\n\n{tail}", ", ".join(str(values[i]) for i in asked)
+    answer = ", ".join(str(values[i]) for i in asked)
+    if p.question_position == "start":
+        return f"{INSTRUCTION}\n\n{tail}\n\n{notes}", answer
+    return f"{INSTRUCTION}\n\n{notes}\n\n{tail}", answer
 
 
 GENERATORS = {"fact_recall": fact_recall}
