@@ -100,3 +100,24 @@ def test_random_policy_depends_on_seed(model):
                            eos_token_id=None, temperature=0)[0][0].evict_at for s in (0, 0, 1)]
     assert np.array_equal(runs[0], runs[1])
     assert not np.array_equal(runs[0], runs[2])
+
+
+def test_snapkv_ring_is_float32_and_its_scores_are_the_float64_window_sums():
+    """Every-step SnapKV scores a slot by the attention of the last `window` decoded queries (the prefill's
+    pooled score counting as the first, until the ring wraps). The ring stores the float32 probabilities (half a
+    float64 ring's bytes) and its scores equal a float64 reference sum of the same entries exactly."""
+    w, B, H, P = 4, 2, 3, 7
+    policy = POLICY_REGISTRY["snapkv"](EvictionParams(policy="snapkv", window=w, pooling_kernel=1), num_layers=1)
+    slots = LayerSlots(slot_pos=torch.arange(P).expand(B, H, P).clone())
+    gen = torch.Generator().manual_seed(0)
+    policy.observe_prefill(0, slots, torch.rand(B, H, w, P, generator=gen, dtype=torch.float64))
+    entries = [slots.extra["prefill_score"].clone()]  # the reference ring, float64, newest last
+    assert slots.extra["ring"].dtype == torch.float32
+    for _ in range(2 * w + 1):
+        probs = torch.softmax(torch.randn(B, H, 1, P, generator=gen), dim=-1)
+        policy.observe_decode(0, slots, probs)
+        entries = (entries + [probs[:, :, 0].to(torch.float64)])[-w:]
+        reference = torch.zeros(B, H, P, dtype=torch.float64)
+        for e in entries:
+            reference += e
+        torch.testing.assert_close(policy.scores(0, slots), reference, rtol=1e-15, atol=0)

@@ -21,8 +21,8 @@ scorer press every `compression_interval` steps on the buffered last queries) no
 buffers the last `window` queries and, at a step that evicts, recomputes their attention over the cache
 (causally: a query sees only keys cached before it). Between two evictions k >= window steps apart nothing
 was evicted, so each buffered query's recomputed attention is the one it paid when it ran, and the scores are
-exactly the ring's (tests/test_long_context_rollout.py), while the ring's slots x window float64 state, half a
-bf16 cache's bytes at window 16, is never allocated.
+exactly the ring's (tests/test_long_context_rollout.py), while the ring's slots x window float32 state (a quarter of a
+bf16 cache's bytes at window 16 and head dimension 64) is never allocated.
 
 `window_anchor: user_end` (smd's option, issue 42) moves the observation window before the chat template's
 closing tokens (`window_tail` of them: ChatML's `<|im_end|>\n<|im_start|>assistant\n`), so its queries are the
@@ -89,22 +89,27 @@ class SnapKVPolicy(EvictionPolicy):
             self.window_scores[layer] = pooled
             return
         B, H, P = pooled.shape
-        ring = torch.zeros(B, H, P, cfg.window, dtype=torch.float64, device=pooled.device)
-        ring[..., 0] = pooled  # the prefill window's pooled score occupies one ring entry
-        slots.extra["ring"] = ring
+        # The ring holds the decoded queries' probabilities in their own dtype (float32: `_attend_grouped`'s
+        # softmax), half the bytes of a float64 ring, and sums them in float64, which is exact: converting a
+        # float32 value to float64 loses nothing. The prefill window's pooled score (float64, from the pooling)
+        # is the ring's first entry, kept beside it until the `window`-th decoded query overwrites that entry.
+        slots.extra["ring"] = torch.zeros(B, H, P, cfg.window, dtype=torch.float32, device=pooled.device)
+        slots.extra["prefill_score"] = pooled
         # The ring entry the next decoded query writes, as a device tensor: no host value that changes every
         # step (a compiled decoding step would specialise on it and recompile).
-        self.ring_next[layer] = torch.ones((1,), dtype=torch.long, device=ring.device)
+        self.ring_next[layer] = torch.ones((1,), dtype=torch.long, device=pooled.device)
 
     def observe_decode(self, layer, slots, attn):
         ring, entry = slots.extra["ring"], self.ring_next[layer]
-        ring.index_copy_(3, entry, attn[:, :, 0].to(torch.float64).unsqueeze(-1))
+        ring.index_copy_(3, entry, attn[:, :, 0].to(ring.dtype).unsqueeze(-1))
+        # writing entry 0 retires the prefill score (the ring has wrapped); a device-side multiply, no host sync
+        slots.extra["prefill_score"].mul_(entry.ne(0))
         entry.add_(1).remainder_(self.cfg.window)
 
     def scores(self, layer: int, slots: LayerSlots) -> torch.Tensor:
         if self.recomputes_window:
             return self.window_scores[layer]
-        return slots.extra["ring"].sum(dim=-1)
+        return slots.extra["ring"].sum(dim=-1, dtype=torch.float64).add_(slots.extra["prefill_score"])
 
     def recent_window(self, keep: torch.Tensor) -> torch.Tensor:
         # SnapKV keeps its whole observation window: the `window` newest cached keys (v0: window - 1).
