@@ -129,11 +129,11 @@ def test_shared_forward_equals_per_sample_float64(model_dir, policy, mode):
 
 
 @pytest.mark.parametrize("batch_runs", [True, False], ids=["runs-batched", "run-by-run"])
-@pytest.mark.parametrize("mode", ["masked", "teacher"])
+@pytest.mark.parametrize("mode", ["masked", "teacher", "dense"])
 def test_shared_forward_tiled_float64(model_dir, mode, batch_runs):
     """The tiled backend replays the mask on the shared prompt's cache as the sdpa reference does on the
     per-sample forward (float64), with the micro-batch's three runs in one prompt call and one suffix call, and a
-    run at a time."""
+    run at a time; the dense passes (the teacher's, the dense objective's) run on it too."""
     ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "h2o", seed=2)
     model = float64_model(model_dir)
     weights = torch.randn(len(prompt_lens), 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

@@ -51,10 +51,10 @@ def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
         return sequence_parallel_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if "smd_evict_at" not in kwargs:  # a dense forward (the teacher, the dense learners): transformers' SDPA
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from stages.learner.dense_attention import sdpa_gqa_attention
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
     return replay_shadow_mask(module, query, key, value, scaling, kwargs)
 
 

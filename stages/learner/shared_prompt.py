@@ -168,7 +168,8 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
     batch (one row per run, plain causal attention), then every row's suffix [s_run, T_row) as one batch on top of
     its run's prompt cache (gathered per row: autograd sums a run's rows into its one prompt forward). The suffix
     pass sees the cache through `suffix_evict_at` (the frame's padding hidden, the shadow mask moved with it), under
-    the shadow-suffix attention for the masked pass and the sdpa reference's mask for dense ones. The weight
+    the shadow-suffix attention on the micro-batch's backend for every pass, the dense ones included (their frame
+    view is a mask too; the tiled backend runs its fully visible columns without one, issue 55). The weight
     products then see all the runs' rows at once, not one group's (docs/design.md §3c). Returns as
     `_run_hidden`, for the whole batch."""
     decoder = decoder_of(model)
@@ -197,12 +198,12 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
             teacher_cache = DynamicCache([(k.detach(), v.detach()) for k, v in prompt_kv], config=model.config)
             with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
                 dense = decoder(input_ids=suffix, position_ids=cols, past_key_values=teacher_cache, use_cache=True,
-                                smd_evict_at=dense_ev, smd_backend="sdpa").last_hidden_state
+                                smd_evict_at=dense_ev, smd_backend=backend).last_hidden_state
     run_cache = DynamicCache(prompt_kv, config=model.config)
     ev = dense_ev if evict_at is None else suffix_evict_at(evict_at, row_starts, frame, width, L, H)
     with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
         hidden = decoder(input_ids=suffix, position_ids=cols, past_key_values=run_cache, use_cache=True,
-                         smd_evict_at=ev, smd_backend="sdpa" if evict_at is None else backend).last_hidden_state
+                         smd_evict_at=ev, smd_backend=backend).last_hidden_state
     # in the suffix's own coordinates row b's prompt ends at P_b - s_b (its suffix holds its tokens from s_b on)
     kept = (hidden,) if dense is None else (hidden, dense)
     gathered, targets, valid = gather_response(kept, suffix, [prompt_lens[b] - row_starts[b] for b in range(B)],

@@ -85,6 +85,7 @@ from stages.learner.deepspeed_runtime import (
     saved_zero_stage,
     zero_stage_for,
 )
+from stages.learner.dense_attention import use_sdpa_gqa
 from stages.learner.ema import ema_path, ema_teacher, ema_update_, save_ema
 from stages.learner.kl_tokens import kl_token_mask
 from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
@@ -626,6 +627,7 @@ def setup(params: Params, iteration: int, policy_path: Path, trajectories_path: 
     if runs_dense_teacher(cfg) and cfg.kl_teacher == "ema":  # a copy of the policy, then the saved average's weights
         teacher_model = ema_teacher(model, policy_path, TRAINER_STATE, params.model.dtype)
     ref_model = reference if cfg.ref_kl_coef > 0 else None
+    use_sdpa_gqa(model, reference, teacher_model)  # dense passes without repeat_kv on the CPU (dense_attention)
 
     ctx = init_distributed(device=params.model.device)  # model.device for this local rank; gloo on CPU, NCCL on CUDA
     # under learner.lora only a continued adapter's trainer state is its own (a full policy's is the full model's)
