@@ -2,7 +2,8 @@
 forward (float64: hidden states, the dense teacher's, the loss and every parameter's gradient to 1e-10 relative)
 for every eviction policy, backend and forward mode, with padding and groups split across micro-batches; through
 the whole learner (float32) the shared and per-sample runs agree within float32 rounding and the parity gate
-holds."""
+holds. The learner's dense attention (`smd_sdpa_gqa`) equals transformers' SDPA on the shared prompt's cache in
+float64 without repeating KV heads."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import json
 
 import pytest
 import torch
+import transformers.integrations.sdpa_attention as hf_sdpa
 
 from schemas.params.rollout import POLICIES, EvictionParams
 from stages.common.kvcache.sampler import generate_batch
-from stages.common.model import load_policy
+from stages.common.model import attention_implementation, load_policy
 from stages.learner.data import load_learner_data
+from stages.learner.dense_attention import SDPA_GQA_ATTENTION, use_sdpa_gqa
 from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
 from stages.learner.shared_prompt import (
     prompt_runs,
@@ -260,3 +263,41 @@ def test_learner_shared_equals_per_sample(tmp_path, model_dir, iteration, object
     diff = sum(float((w_shared[k] - w_per[k]).double().pow(2).sum()) for k in base) ** 0.5
     assert moved > 1e-3  # the step moved the weights (lr 1e-3) ...
     assert diff <= 1e-3 * moved, (diff, moved)  # ... and both runs moved them the same way
+
+
+# ------------------------------------------------ the learner's dense attention (stages.learner.dense_attention)
+@pytest.mark.parametrize("mode", ["dense", "teacher"])
+def test_grouped_sdpa_equals_transformers_sdpa_float64(model_dir, monkeypatch, mode):
+    """The shared-prompt forward run by run (a cached prompt, then the suffix under transformers' mask) with `smd_sdpa_gqa`
+    equals it with transformers' `sdpa` in float64 (1e-10 relative), and never repeats a KV head."""
+    ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "snapkv")
+    model = float64_model(model_dir)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # a GQA model
+    weights = torch.randn(len(prompt_lens), 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa",
+                          batch_runs=False)
+    repeats = []
+    real_repeat = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: repeats.append(1) or real_repeat(*a))
+    with attention_implementation(model, SDPA_GQA_ATTENTION):
+        got = loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa",
+                          batch_runs=False)
+    assert not repeats
+    assert_close(got[0], want[0], "loss")
+    assert_close(got[1], want[1], "hidden")
+    for name in want[3]:
+        assert_close(got[3][name], want[3][name], f"grad {name}")
+    # transformers' own SDPA repeats the KV heads here (the mask is why): the copies this function removes
+    loss_and_grads(model, "shared", ids, evict_at, prompt_lens, resp_lens, weights, mode, "sdpa",
+                          batch_runs=False)
+    assert repeats
+
+
+def test_only_sdpa_models_switch_to_grouped_sdpa(model_dir):
+    model = float64_model(model_dir)
+    use_sdpa_gqa(model, None)
+    assert model.config._attn_implementation == SDPA_GQA_ATTENTION
+    other = float64_model(model_dir)
+    other.config._attn_implementation = "eager"
+    use_sdpa_gqa(other)
+    assert other.config._attn_implementation == "eager"
