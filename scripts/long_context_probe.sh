@@ -12,7 +12,7 @@
 #     TASK_OVERRIDES space-separated prepare overrides for every setting, e.g. "prepare.question_position=start"
 # Needs `smdctl` on PATH and models/smollm2-135m-instruct (`smdctl convert-model smollm2 --out ...`).
 set -euo pipefail
-out=${1:?usage: long_context_probe.sh OUT [CONTEXTS] [PAIRS] [CACHES]}
+out=${1:?usage: long_context_probe.sh OUT [CONTEXTS] [PAIRS] [CACHES] [TASK_OVERRIDES]}
 contexts=${2:-"512 1000 2000 4000"}
 pairs=${3:-6}
 caches=${4:-"snapkv0.5=policy=snapkv;keep_ratio=0.5 snapkv0.5-user_end=policy=snapkv;keep_ratio=0.5;window_anchor=user_end snapkv0.3=policy=snapkv;keep_ratio=0.3"}
