@@ -335,3 +335,41 @@ def test_chain_eval_every_0_never_evaluates(tmp_path, monkeypatch):
     assert len(evaluated) == 3  # resumed: every iteration complete without an evaluation
     chain.run_chain(p, tmp_path / "on", 3, tmp_path / "warm" / "policy", tmp_path / "data", eval_every=2)
     assert evaluated[3:] == [False, True, True]
+
+
+def test_warm_start_evaluations_are_shared_by_their_effective_compression(tmp_path, monkeypatch):
+    """A dense arm scored under `evaluate.compressed_eviction` SnapKV 0.5 and an arm rolling out under SnapKV 0.5
+    evaluate the same thing: one evaluation. Another keep ratio is another; an evaluation stored under the earlier
+    key (the evaluate section and rollout.eviction as written) is found and reused."""
+    import stages.evaluate.stage as evaluate_stage
+    from schemas.params import load_params
+    from stages.tools.compare import _legacy_eval_key, evaluate_starts
+
+    params = empty_params(tmp_path)
+    arms = {
+        "dense": load_params(params, ["rollout.eviction.policy=dense", "evaluate.compressed_eviction.policy=snapkv",
+                                      "evaluate.compressed_eviction.keep_ratio=0.5"]),
+        "smd@0.5": load_params(params, ["rollout.eviction.policy=snapkv", "rollout.eviction.keep_ratio=0.5"]),
+        "naive@0.5": load_params(params, ["rollout.eviction.policy=snapkv", "rollout.eviction.keep_ratio=0.5",
+                                          "learner.objective=naive"]),
+        "smd@0.1": load_params(params, ["rollout.eviction.policy=snapkv", "rollout.eviction.keep_ratio=0.1"]),
+    }
+    evaluated: list = []
+
+    def fake_evaluate(p, iteration, policy, prompts, target, show_progress=True):
+        evaluated.append(target)
+        target.mkdir(parents=True)
+        (target / "metrics.json").write_text("{}")
+
+    monkeypatch.setattr(evaluate_stage, "run_evaluate", fake_evaluate)
+    root = tmp_path / "_start"
+    out = evaluate_starts(arms, tmp_path / "warm", tmp_path / "data", root)
+    assert len(evaluated) == 2
+    assert out["dense"] == out["smd@0.5"] == out["naive@0.5"] != out["smd@0.1"]
+    # a comparison started before the shared key: its smd@0.1 evaluation under the old key is reused
+    legacy = tmp_path / "old" / _legacy_eval_key(arms["smd@0.1"]) / "evaluate"
+    legacy.mkdir(parents=True)
+    (legacy / "metrics.json").write_text("{}")
+    evaluated.clear()
+    again = evaluate_starts({"smd@0.1": arms["smd@0.1"]}, tmp_path / "warm", tmp_path / "data", tmp_path / "old")
+    assert evaluated == [] and again["smd@0.1"] == legacy

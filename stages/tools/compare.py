@@ -140,13 +140,29 @@ def thread_env(workers: int, environ: dict[str, str] | None = None) -> dict[str,
 
 
 def _eval_key(p: Params) -> str:
-    """What the warm start's evaluation depends on: the evaluation settings, the compression and the reward
+    """What the warm start's evaluation depends on: the evaluation settings, the compression its compressed mode
+    runs (`evaluate.compressed_eviction`, else `rollout.eviction`: the same eviction reached either way is one key,
+    so a dense arm scored under SnapKV 0.5 shares the SnapKV 0.5 arms' evaluation), the model and the reward
     (functions and their files' digests)."""
+    from stages.common.scoring import reward_record
+    from stages.evaluate.stage import eviction_for
+
+    tree = {"evaluate": p.evaluate.model_dump(mode="json", exclude={"compressed_eviction"}),
+            "compressed": eviction_for("compressed", p).model_dump(mode="json"),
+            "model": p.model.model_dump(mode="json")}
+    if p.reward.function:
+        tree["reward"] = reward_record(p.reward)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _legacy_eval_key(p: Params) -> str:
+    """The key before evaluations were shared by their effective compression (the evaluate section and
+    `rollout.eviction` as written): a comparison started then finds its stored evaluations under it."""
     from stages.common.scoring import reward_record
 
     tree = {"evaluate": p.evaluate.model_dump(mode="json"), "eviction": p.rollout.eviction.model_dump(mode="json"),
             "model": p.model.model_dump(mode="json")}
-    if p.reward.function:  # (keys of runs without reward functions stay as they were)
+    if p.reward.function:
         tree["reward"] = reward_record(p.reward)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -161,6 +177,9 @@ def evaluate_starts(arm_params: dict[str, Params], warmstart: Path, data: Path, 
         key = _eval_key(p)
         if key not in by_key:
             target = root / key / "evaluate"
+            legacy = root / _legacy_eval_key(p) / "evaluate"
+            if not (target / METRICS).is_file() and (legacy / METRICS).is_file():
+                target = legacy  # stored by an earlier version under the old key: the same evaluation
             if not (target / METRICS).is_file():
                 print(f"evaluating the warm start ({arm}'s compression) -> {target}", file=sys.stderr, flush=True)
                 run_evaluate(p, 0, warmstart, data / EVAL_PROMPTS, target, show_progress=False)
