@@ -237,7 +237,7 @@ def test_replay_holds_at_an_interval(tmp_path, policy):
 
 
 @pytest.mark.slow
-def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path):
+def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path, capsys):
     """`smdctl bench rollout --model DIR --long` on the tiny model: every smd engine and `generate` make batch x new
     tokens, each run's peak is measured in its own process, and the largest-batch search finds a batch by
     running it (vLLM left out: tests/test_vllm_engine.py covers it)."""
@@ -256,3 +256,6 @@ def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path):
     budget_rows = [r for r in rows if r["table"] == "budget"]
     assert len(budget_rows) == 4 and all(r["largest_batch"] == 2 for r in budget_rows)  # the cap: all fit
     assert any("largest batch" in line for line in lines)
+    said = capsys.readouterr().err  # each engine's measurement as it finished, before the table
+    assert [line.split()[4].rstrip(":") for line in said.splitlines() if line.startswith("# 48+6 x 2 ")] == [
+        "smd-dense", "smd-snapkv", "smd-snapkv-k", "generate"]

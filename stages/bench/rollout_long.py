@@ -218,6 +218,10 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
             r["decode_tokens_per_s"] = r["batch"] * (N - 1) / decode_s if decode_s > 0 else float("nan")
             r["peak_per_seq_mib"] = (r["peak_mib"] - r["held_mib"]) / r["batch"]
             res[e] = r
+            # the table's rows wait for every engine (their ratios); a case takes 10-20 minutes an engine on one
+            # CPU core, so each measurement is also said as it comes, and a stopped bench still reports
+            print(f"# {P}+{N} x {r['batch']} {e}: {r['tokens_per_s']:.1f} tok/s, prefill {r['prefill_s']:.2f} s, "
+                  f"peak/seq {r['peak_per_seq_mib']:.1f} MiB ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
         for e, r in res.items():
             row = {"table": "long", **r, "vs_smd_dense": _ratio(r, res, "smd-dense", "tokens_per_s"),
                    "vs_vllm": _ratio(r, res, "vllm", "tokens_per_s"),
