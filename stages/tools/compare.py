@@ -144,25 +144,25 @@ def _eval_key(p: Params) -> str:
     runs (`evaluate.compressed_eviction`, else `rollout.eviction`: the same eviction reached either way is one key,
     so a dense arm scored under SnapKV 0.5 shares the SnapKV 0.5 arms' evaluation), the model and the reward
     (functions and their files' digests)."""
-    from stages.common.scoring import reward_record
     from stages.evaluate.stage import eviction_for
 
-    tree = {"evaluate": p.evaluate.model_dump(mode="json", exclude={"compressed_eviction"}),
-            "compressed": eviction_for("compressed", p).model_dump(mode="json"),
-            "model": p.model.model_dump(mode="json")}
-    if p.reward.function:
-        tree["reward"] = reward_record(p.reward)
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:12]
+    return _settings_digest(p, {"evaluate": p.evaluate.model_dump(mode="json", exclude={"compressed_eviction"}),
+                                "compressed": eviction_for("compressed", p).model_dump(mode="json")})
 
 
 def _legacy_eval_key(p: Params) -> str:
     """The key before evaluations were shared by their effective compression (the evaluate section and
     `rollout.eviction` as written): a comparison started then finds its stored evaluations under it."""
+    return _settings_digest(p, {"evaluate": p.evaluate.model_dump(mode="json"),
+                                "eviction": p.rollout.eviction.model_dump(mode="json")})
+
+
+def _settings_digest(p: Params, tree: dict[str, Any]) -> str:
+    """12 hex digits of sha256 over `tree` plus the model section and, when set, the reward functions' record."""
     from stages.common.scoring import reward_record
 
-    tree = {"evaluate": p.evaluate.model_dump(mode="json"), "eviction": p.rollout.eviction.model_dump(mode="json"),
-            "model": p.model.model_dump(mode="json")}
-    if p.reward.function:
+    tree = {**tree, "model": p.model.model_dump(mode="json")}
+    if p.reward.function:  # (keys of runs without reward functions stay as they were)
         tree["reward"] = reward_record(p.reward)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:12]
 
