@@ -175,3 +175,105 @@ def test_smd_loss_through_the_model_equals_full_logits(tmp_path):
     h3, _, _ = response_hidden(model, ids, None, prompt_lens, resp_lens)
     got = chunked_token_scores(h3, lm_head_of(model), t3, v3, temperature=0.8, chunk_tokens=7)["logp"]
     assert _close(got, ref_dense, _head_chain(cfg.hidden_size, cfg.vocab_size))
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding, one tanh layer and an lm head tied to the embedding: the layout whose head gradient
+    `accumulate_head_grad` adds into `.grad` during the backward."""
+
+    def __init__(self, V: int, D: int, dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(V, D, dtype=dtype)
+        self.mix = torch.nn.Linear(D, D, bias=False, dtype=dtype)
+        self.head = torch.nn.Linear(D, V, bias=False, dtype=dtype)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.randn(V, D, generator=g, dtype=dtype))
+            self.mix.weight.copy_(torch.randn(D, D, generator=g, dtype=dtype) / D ** 0.5)
+        self.head.weight = self.embed.weight
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def loss(self, ids, teacher_ids, valid, w_logp, w_kl, in_place: bool):
+        hidden = torch.tanh(self.mix(self.embed(ids)))
+        with torch.no_grad():
+            teacher = torch.tanh(self.mix(self.embed(teacher_ids)))
+        out = chunked_token_scores(hidden, self.head, ids.roll(-1, 1), valid, temperature=0.8, chunk_tokens=3,
+                                   teacher_hidden=teacher, accumulate_head_grad=in_place)
+        return (w_logp * out["logp"] + w_kl * out["kl"]).sum()
+
+
+def _tied_case(dtype, seed=0):
+    V, D, B, R = 40, 8, 3, 6
+    g = torch.Generator().manual_seed(seed + 1)
+    model = _TiedLM(V, D, dtype, seed)
+    ids, teacher_ids = torch.randint(0, V, (B, R), generator=g), torch.randint(0, V, (B, R), generator=g)
+    valid = torch.ones(B, R, dtype=torch.bool)
+    valid[1, 4:] = False
+    return model, (ids, teacher_ids, valid, torch.randn(B, R, generator=g, dtype=dtype),
+                   torch.rand(B, R, generator=g, dtype=dtype))
+
+
+@pytest.mark.parametrize("earlier_grad", [False, True])
+def test_tied_head_gradient_accumulated_in_place_equals_autograd(earlier_grad):
+    """float64: with `accumulate_head_grad` the tied weight's `.grad` after `loss.backward()` is autograd's sum of
+    the head's and the embedding's parts (added to an earlier micro-batch's `.grad` when there is one), while the
+    gradient autograd itself routes to the weight is the embedding's part alone: the head's [V, D] gradient never
+    waits in autograd's buffer for the embedding's."""
+    model, args = _tied_case(torch.float64)
+    weight = model.embed.weight
+    ref_w, ref_mix = torch.autograd.grad(model.loss(*args, in_place=False), [weight, model.mix.weight])
+    earlier = torch.randn(weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    if earlier_grad:
+        weight.grad = earlier.clone()
+        model.mix.weight.grad = torch.zeros_like(model.mix.weight)
+    grad_object = weight.grad
+    routed = []
+    hook = weight.register_hook(lambda g: routed.append(g.clone()))  # what autograd hands the leaf
+    model.loss(*args, in_place=True).backward()
+    hook.remove()
+    want = ref_w + (earlier if earlier_grad else 0.0)
+    assert torch.allclose(weight.grad, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(model.mix.weight.grad, ref_mix, rtol=1e-12, atol=1e-12)
+    if earlier_grad:  # accumulated into the existing tensor, not a new one
+        assert weight.grad is grad_object
+    # the embedding's part alone: only the rows of the ids looked up are nonzero
+    looked_up = torch.zeros(weight.shape[0], dtype=torch.bool)
+    looked_up[args[0].reshape(-1)] = True
+    assert len(routed) == 1 and float(routed[0][~looked_up].abs().max()) == 0.0
+    assert float((ref_w[~looked_up]).abs().max()) > 0  # the head's part is nonzero on those rows
+
+
+def test_tied_head_gradient_in_place_bf16_matches_returned():
+    """bf16 weights (float32 accumulation over chunks, cast once): the in-place path gives the returned path's
+    `.grad`, with and without an earlier `.grad`."""
+    for earlier_grad in (False, True):
+        grads = []
+        for in_place in (False, True):
+            model, args = _tied_case(torch.bfloat16, seed=3)
+            weight = model.embed.weight
+            if earlier_grad:
+                weight.grad = torch.full_like(weight, 0.5)
+            model.loss(*args, in_place=in_place).backward()
+            grads.append(weight.grad.float())
+        # the same bf16 roundings in another order of three summands: within bf16's spacing of the values
+        assert torch.allclose(grads[0], grads[1], rtol=2 ** -7, atol=2 ** -7 * float(grads[0].abs().max())), \
+            earlier_grad
+
+
+def test_accumulate_head_grad_rule():
+    """In place only for a trainable head tied to the embedding, and not under ZeRO 3 (partitioned gradients)."""
+    from stages.learner.logprobs import accumulate_head_grad
+
+    model, _ = _tied_case(torch.float32)
+    assert accumulate_head_grad(model, 0) and accumulate_head_grad(model, 2)
+    assert not accumulate_head_grad(model, 3)
+    model.embed.weight.requires_grad_(False)
+    assert not accumulate_head_grad(model, 0)
+    untied, _ = _tied_case(torch.float32)
+    untied.head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())
+    assert not accumulate_head_grad(untied, 0)

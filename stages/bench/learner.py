@@ -272,7 +272,7 @@ class _Learner:
 
         from stages.bench.full_logits import full_logits_objective_loss
         from stages.common.model import attention_implementation
-        from stages.learner.logprobs import chunked_token_scores, lm_head_of
+        from stages.learner.logprobs import accumulate_head_grad, chunked_token_scores, lm_head_of
         from stages.learner.objectives import ObjectiveBatch, objective_loss, token_logprobs
         from stages.learner.shadow_attention import (
             response_hidden,
@@ -295,7 +295,7 @@ class _Learner:
             else:
                 hidden, teacher, targets, valid = response_hidden_with_teacher(model, *args, mode[4:], self.block_size)
             scores = chunked_token_scores(hidden, lm_head_of(model), targets, valid, chunk_tokens=self.chunk_tokens,
-                                          teacher_hidden=teacher)
+                                          teacher_hidden=teacher, accumulate_head_grad=accumulate_head_grad(model, 0))
             batch = ObjectiveBatch(advantages=b["advantages"], mask=valid, rollout_logp=b["rollout"])
             if mode == "dense":
                 loss, _ = objective_loss(dense, dataclasses.replace(batch, dense_logp=scores["logp"]))

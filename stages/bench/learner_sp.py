@@ -98,11 +98,12 @@ def synthetic_micro_batch(T: int, rows: int, num_layers: int, num_kv_heads: int,
                       evict_at=pad_evict_at(evs, T).to(device))
 
 
-def one_process_loss(model, mb, cfg, temperature: float = 1.0, score=None):
+def one_process_loss(model, mb, cfg, temperature: float = 1.0, score=None, head_grad_in_place: bool = False):
     """The learner's loss of one micro-batch on one process (`train.micro_step` at `sequence_parallel: 1`, per-sample
     rows): `response_hidden_with_teacher` for an objective with its dense teacher (kl_lambda > 0), else
     `response_hidden` (shadow-masked or dense as the objective needs); `score` (default `chunked_token_scores`,
-    the learner's; tests pass a float64 one); `objective_loss`. Returns (loss, scores)."""
+    the learner's; tests pass a float64 one); `objective_loss`; `head_grad_in_place`: a tied head's gradient into
+    `.grad` during the backward, as the learner does (`logprobs.accumulate_head_grad`). Returns (loss, scores)."""
     from stages.learner.logprobs import chunked_token_scores, lm_head_of
     from stages.learner.objectives import ObjectiveBatch, objective_loss, objective_spec
     from stages.learner.shadow_attention import response_hidden, response_hidden_with_teacher
@@ -122,8 +123,9 @@ def one_process_loss(model, mb, cfg, temperature: float = 1.0, score=None):
                                                          cfg.flex_block_size)
         hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None,
                                                  mb.prompt_lens, mb.resp_lens, backend, **extra)
+    in_place = {"accumulate_head_grad": True} if head_grad_in_place else {}
     scores = (score or chunked_token_scores)(hidden, lm_head_of(model), targets, valid, temperature=temperature,
-                                  chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
+                                  chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden, **in_place)
     batch = ObjectiveBatch(advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
                            masked_logp=scores["logp"] if masked else None,
                            dense_logp=None if masked else scores["logp"], kl_per_token=scores.get("kl"))
@@ -180,6 +182,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
 
     from schemas.params.learner import LearnerParams
     from stages.common.model import configure_precision
+    from stages.learner.logprobs import accumulate_head_grad
     from stages.learner.sequence_parallel import new_sequence_parallel, sequence_parallel_loss, sum_gradients
     from stages.learner.shadow_attention import checkpointed_layers, enable_layer_checkpointing
 
@@ -200,6 +203,7 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
             enable_layer_checkpointing(model)
         mc = model.config
         sp = new_sequence_parallel(world, mc.num_attention_heads, mc.num_key_value_heads)
+        in_place = accumulate_head_grad(model, zero_stage=0)  # as the learner's engine.backward
         for p in model.parameters():  # as after an earlier micro-batch: the learner accumulates into them
             p.grad = torch.zeros_like(p)
 
@@ -217,9 +221,10 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
             with (checkpointed_layers(model) if cfg.gradient_checkpointing else contextlib.nullcontext(),
                   torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
                 if sp is None:
-                    loss, scores = one_process_loss(model, mb, cfg)
+                    loss, scores = one_process_loss(model, mb, cfg, head_grad_in_place=in_place)
                 else:
-                    loss, _, scores = sequence_parallel_loss(model, sp, mb, cfg, temperature=1.0)
+                    loss, _, scores = sequence_parallel_loss(model, sp, mb, cfg, temperature=1.0,
+                                                             head_grad_in_place=in_place)
             saved_bytes = sum(saved.values())
             loss.backward()
             return loss.detach(), scores["logp"].detach(), saved_bytes

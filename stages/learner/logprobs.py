@@ -75,11 +75,14 @@ class _ChunkedScores(torch.autograd.Function):
     teacher_argmax [N] (int64, zeros without teacher); gradients for hidden, weight, bias. The teacher's logits
     come from teacher_weight / teacher_bias (the policy's own head detached, or a separate teacher model's; never
     differentiated). Two [chunk, V] float32 buffers per call, reused by every
-    chunk; everything else in place on them."""
+    chunk; everything else in place on them.
+
+    `accumulate`: the weight's gradient goes straight into `weight.grad` inside the backward (created when None)
+    and autograd gets None for it (`accumulate_head_grad`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher, teacher_weight, teacher_bias, temperature: float,
-                chunk: int):
+                chunk: int, accumulate: bool = False):
         N, V = hidden.shape[0], weight.shape[0]
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         kl, entropy, teacher_logp, lse, teacher_lse = (torch.zeros_like(logp) for _ in range(5))
@@ -104,7 +107,7 @@ class _ChunkedScores(torch.autograd.Function):
                     kl[a:b] = _rowdot(log_p.exp_(), log_ratio)
         # the log-sum-exps let the backward rebuild q and p from the logits alone (no second reduction)
         ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse, teacher_lse, teacher_weight, teacher_bias)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.accumulate = temperature, chunk, accumulate
         ctx.mark_non_differentiable(entropy, teacher_logp, teacher_argmax)
         return logp, kl, entropy, teacher_logp, teacher_argmax
     @staticmethod
@@ -116,8 +119,14 @@ class _ChunkedScores(torch.autograd.Function):
         g_logp = g_logp if g_logp is not None else torch.zeros(N, device=hidden.device)
         use_kl = teacher is not None and g_kl is not None
         d_hidden = torch.zeros_like(hidden) if need_h else None
-        # float32 accumulation over chunks (a bf16 weight's gradient is cast back once at the end)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # float32 accumulation over chunks (a bf16 weight's gradient is cast back once at the end); with
+        # `accumulate` a float32 weight's existing .grad is the accumulator itself: no [V, D] buffer at all
+        into_grad = (need_w and ctx.accumulate and weight.grad is not None and weight.dtype == torch.float32
+                     and weight.grad.dtype == torch.float32 and not weight.grad.is_sparse)
+        d_weight = None
+        if need_w:
+            d_weight = weight.grad if into_grad else torch.zeros(weight.shape, dtype=torch.float32,
+                                                                   device=weight.device)
         d_bias = torch.zeros(V, dtype=torch.float32, device=weight.device) if need_b else None
         # With the teacher the backward needs q and p at once: half-size chunks keep the two buffers at the size of
         # the dense learner's one (the peak is the same as without the teacher)
@@ -146,14 +155,41 @@ class _ChunkedScores(torch.autograd.Function):
                     d_weight.addmm_(grad_z.t(), hidden[a:b] if hidden.dtype == torch.float32 else hidden[a:b].float())
                 if need_b:
                     d_bias.add_(grad_z.sum(0))
+        if need_w and ctx.accumulate:
+            if not into_grad:
+                with torch.no_grad():
+                    if weight.grad is None:
+                        weight.grad = d_weight.to(weight.dtype)
+                    else:
+                        weight.grad.add_(d_weight.to(weight.grad.dtype))
+            d_weight, need_w = None, False
         return (d_hidden, d_weight.to(weight.dtype) if need_w else None,
-                d_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
+                d_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None, None)
+
+
+def accumulate_head_grad(model, zero_stage: int) -> bool:
+    """Whether the learner's chunked scoring adds the lm head's weight gradient straight into `weight.grad`
+    (`chunked_token_scores(accumulate_head_grad=True)`): when the head is tied to the input embedding (SmolLM2,
+    Qwen3 up to 4B) and trainable, and ZeRO does not partition the gradients (stage < 3 keeps each parameter's
+    whole `.grad`; its hooks read `.grad` when autograd's accumulation of the parameter runs, after the embedding's
+    part, last).
+
+    Why: a tied weight is one leaf used twice, so autograd holds the head's [V, D] gradient in the leaf's input
+    buffer from the head's backward (first) until the embedding's (last), i.e. across the whole backward, on top
+    of `.grad` itself: 594 MiB float32 at Qwen3's vocabulary and D 1024 (docs/design.md §7, "Memory"). Megatron-LM
+    accumulates the weight gradient inside the backward for the same reason (`gradient_accumulation_fusion`,
+    `LinearWithGradAccumulationAndAsyncCommunication`: into `main_grad`, returning no weight gradient)."""
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    return (zero_stage < 3 and head is not None and embed is not None and head.weight is embed.weight
+            and head.weight.requires_grad)
 
 
 def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, valid: Tensor, *,
                          temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                          teacher_hidden: Tensor | None = None,
-                         teacher_head: torch.nn.Linear | None = None) -> dict[str, Tensor]:
+                         teacher_head: torch.nn.Linear | None = None,
+                         accumulate_head_grad: bool = False) -> dict[str, Tensor]:
     """Per response token, from final hidden states `hidden [B, R, D]` (the policy's, with gradient) and, for smd,
     `teacher_hidden [B, R, D]` (the dense teacher's; detached here), through the lm head `head` (the teacher's
     through `teacher_head` when given: a separate, frozen teacher model, `learner.kl_teacher=reference`; else
@@ -166,7 +202,12 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
       teacher_argmax [B, R] int64: the teacher's most likely token (argmax of its logits, taken per chunk: no
                     [B, R, V] tensor; only with a teacher; `learner.kl_tokens=keyed` reads it)
 
-    float32 but teacher_argmax, 0 at invalid positions (only the valid ones are computed)."""
+    float32 but teacher_argmax, 0 at invalid positions (only the valid ones are computed).
+
+    `accumulate_head_grad`: the backward adds the head's weight gradient into `head.weight.grad` itself instead of
+    handing it to autograd (the same sum, no [V, D] buffer held through the backward; see `accumulate_head_grad`).
+    Only for a backward that accumulates into `.grad` (`loss.backward()`, DeepSpeed's `engine.backward`), never
+    under `torch.autograd.grad`, which would not see that part."""
     if temperature <= 0:
         raise SmdInputError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
@@ -194,7 +235,8 @@ def chunked_token_scores(hidden: Tensor, head: torch.nn.Linear, targets: Tensor,
     t_weight = t_head.weight.detach() if th is not None else None
     t_bias = t_head.bias.detach() if th is not None and t_head.bias is not None else None
     logp, kl, entropy, teacher_logp, teacher_argmax = _ChunkedScores.apply(
-        h, head.weight, head.bias, tgt, th, t_weight, t_bias, float(temperature), int(chunk_tokens))
+        h, head.weight, head.bias, tgt, th, t_weight, t_bias, float(temperature), int(chunk_tokens),
+        bool(accumulate_head_grad))
 
     def scatter(values: Tensor) -> Tensor:
         out = values.new_zeros(B * R)

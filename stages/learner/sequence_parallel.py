@@ -277,11 +277,13 @@ def gather_sequence(local: Tensor, sp: SequenceParallel) -> Tensor:
 def sequence_parallel_scores(model, sp: SequenceParallel, input_ids: Tensor, evict_at: Tensor | None,
                              prompt_lens: list[int], resp_lens: list[int], *, temperature: float,
                              backend: str = "sdpa", block_size: int = 128, chunk_tokens: int = 256,
-                             teacher: bool = False, teacher_model=None) -> dict[str, Tensor]:
+                             teacher: bool = False, teacher_model=None,
+                             head_grad_in_place: bool = False) -> dict[str, Tensor]:
     """`chunked_token_scores` of a micro-batch under sequence parallelism, for the whole micro-batch on every
     process of the group (`gather_sequence`): logp and entropy [B, R], with `teacher` (smd's dense teacher: the
     dense forward of `teacher_model`, or of the policy itself when None, under no_grad, then the policy's masked
-    one) also kl, teacher_logp, teacher_argmax."""
+    one) also kl, teacher_logp, teacher_argmax. `head_grad_in_place`: `chunked_token_scores(accumulate_head_grad=...)`
+    (every process adds its part of a tied head's gradient into its own `.grad`)."""
     from stages.learner import logprobs
 
     teacher_hidden = None
@@ -294,18 +296,19 @@ def sequence_parallel_scores(model, sp: SequenceParallel, input_ids: Tensor, evi
     scores = logprobs.chunked_token_scores(
         hidden, logprobs.lm_head_of(model), targets, mine, temperature=temperature, chunk_tokens=chunk_tokens,
         teacher_hidden=teacher_hidden,
-        teacher_head=logprobs.lm_head_of(teacher_model) if teacher and teacher_model is not None else None)
+        teacher_head=logprobs.lm_head_of(teacher_model) if teacher and teacher_model is not None else None,
+        accumulate_head_grad=head_grad_in_place)
     return {name: gather_sequence(value, sp) for name, value in scores.items()}
 
 
 def sequence_parallel_loss(model, sp: SequenceParallel, mb, cfg, temperature: float,
-                           **batch_fields: Any) -> tuple[Tensor, dict[str, float], dict[str, Tensor]]:
+                           head_grad_in_place: bool = False, **batch_fields: Any) -> tuple[Tensor, dict[str, float], dict[str, Tensor]]:
     """The learner's loss of one micro-batch (`stages.learner.data.MicroBatch`, the whole right-padded one on every
     process of the group) under sequence parallelism: the objective `cfg.objective` (`objective_loss` on an
     `ObjectiveBatch`, as `train.micro_step` builds it) over the whole micro-batch's scores
     (`sequence_parallel_scores`: shadow-masked for the masked objectives, dense otherwise; smd's dense teacher
     when kl_lambda > 0). `batch_fields`: the `ObjectiveBatch` fields the learner fills from outside the forward
-    (old_logp, ref_logp, kl_mask, sparse_rl_rejection, ...). Every process of the group returns the same loss;
+    (old_logp, ref_logp, kl_mask, sparse_rl_rejection, ...). `head_grad_in_place`: see `sequence_parallel_scores`. Every process of the group returns the same loss;
     backward on each, then the gradients summed over the group are the one-process gradient
     (`sum_gradients`, or DeepSpeed's average over all processes with the loss scaled by their count).
     Returns (loss, terms, scores)."""
@@ -316,7 +319,8 @@ def sequence_parallel_loss(model, sp: SequenceParallel, mb, cfg, temperature: fl
     scores = sequence_parallel_scores(
         model, sp, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens, mb.resp_lens,
         temperature=temperature, backend=cfg.backend_for(mb.input_ids.device.type), block_size=cfg.flex_block_size,
-        chunk_tokens=cfg.logit_chunk_tokens, teacher=spec.dense_teacher and cfg.kl_lambda > 0)
+        chunk_tokens=cfg.logit_chunk_tokens, teacher=spec.dense_teacher and cfg.kl_lambda > 0,
+        head_grad_in_place=head_grad_in_place)
     logp = scores["logp"]
     batch = ObjectiveBatch(advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
                            masked_logp=logp if masked else None, dense_logp=None if masked else logp,

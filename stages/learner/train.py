@@ -88,7 +88,12 @@ from stages.learner.deepspeed_runtime import (
 from stages.learner.dense_attention import use_sdpa_gqa
 from stages.learner.ema import ema_path, ema_teacher, ema_update_, save_ema
 from stages.learner.kl_tokens import kl_token_mask
-from stages.learner.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_scores, lm_head_of
+from stages.learner.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    accumulate_head_grad,
+    chunked_token_scores,
+    lm_head_of,
+)
 from stages.learner.lora import LoraPolicy, check_lora_params, load_lora_policy, refuse_adapter_without_lora
 from stages.learner.mismatch import check_finite, mismatch_metrics
 from stages.learner.objectives import (
@@ -206,14 +211,14 @@ def micro_batch_hidden(model, mb: MicroBatch, masked: bool, backend: str = "sdpa
 
 def forward_logp(model, mb: MicroBatch, masked: bool, backend: str, temperature: float,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, shared: bool = False,
-                 block_size: int = 128) -> dict[str, torch.Tensor]:
+                 block_size: int = 128, head_grad_in_place: bool = False) -> dict[str, torch.Tensor]:
     """Scores of the sampled response tokens (`chunked_token_scores`: logp [B, R] at `temperature` and entropy
     [B, R], 0 at padding), shadow-masked when `masked`, else dense; never [B, R, V] logits at once. `shared`:
     each run of rows with one prompt forwards it once (`shared_prompt_hidden`; `mb` then carries no block
-    masks: they are built per run)."""
+    masks: they are built per run). `head_grad_in_place`: `chunked_token_scores(accumulate_head_grad=...)`."""
     hidden, targets, valid = micro_batch_hidden(model, mb, masked, backend, shared, block_size)
     return chunked_token_scores(hidden, lm_head_of(model), targets, valid, temperature=temperature,
-                                chunk_tokens=chunk_tokens)
+                                chunk_tokens=chunk_tokens, accumulate_head_grad=head_grad_in_place)
 
 
 def length_grouped(data: LearnerData, rows: list[int], size: int) -> list[list[int]]:
@@ -590,6 +595,12 @@ class LearnerRun:
         return self.engine.module
 
     @property
+    def head_grad_in_place(self) -> bool:
+        """Whether the chunked scoring adds a tied lm head's gradient into `.grad` during the backward
+        (`logprobs.accumulate_head_grad`: no [V, D] buffer held across the backward)."""
+        return accumulate_head_grad(self.module, self.engine.zero_optimization_stage())
+
+    @property
     def ema(self) -> bool:
         """Whether the teacher is the EMA of the policy (`learner.kl_teacher=ema` with the teacher on)."""
         return self.teacher and self.cfg.kl_teacher == "ema"
@@ -728,6 +739,7 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
     # (with the teacher or shared prompts, block masks are built for the prefix split inside the forward)
     shared_teacher = run.teacher and run.teacher_model is None
     shared = cfg.shared_prompt
+    in_place = run.head_grad_in_place  # engine.backward below accumulates into .grad
     mb = build_micro_batch(run.data, rows, masked, "sdpa" if shared_teacher or shared or run.sp else backend,
                            cfg.flex_block_size, module.config.num_attention_heads, device=run.ctx.device,
                            pack=cfg.pack)
@@ -736,7 +748,8 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
             scores = sequence_parallel_scores(
                 module, run.sp, mb.input_ids, mb.evict_at if masked else None, mb.prompt_lens, mb.resp_lens,
                 temperature=temperature, backend=backend, block_size=cfg.flex_block_size,
-                chunk_tokens=cfg.logit_chunk_tokens, teacher=run.teacher, teacher_model=run.teacher_model)
+                chunk_tokens=cfg.logit_chunk_tokens, teacher=run.teacher, teacher_model=run.teacher_model,
+                head_grad_in_place=in_place)
         elif run.teacher and not shared_teacher:  # a frozen teacher model: its own dense pass, then the masked policy
             with torch.no_grad():
                 teacher_hidden, _, _ = micro_batch_hidden(run.teacher_model, mb, False,
@@ -745,7 +758,7 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
             hidden, targets, valid = micro_batch_hidden(module, mb, True, backend, shared, cfg.flex_block_size)
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
                                           chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
-                                          teacher_head=lm_head_of(run.teacher_model))
+                                          teacher_head=lm_head_of(run.teacher_model), accumulate_head_grad=in_place)
         elif run.teacher:  # masked policy + dense teacher sharing the rows before the first eviction
             forward = (shared_prompt_hidden if shared else
                        packed_hidden_with_teacher if mb.packed else response_hidden_with_teacher)
@@ -754,10 +767,11 @@ def micro_step(run: LearnerRun, rows: list[int], weight: float, old: dict[int, n
                 module, mb.input_ids, mb.evict_at, mb.prompt_lens, mb.resp_lens, backend, cfg.flex_block_size,
                 **kwargs)
             scores = chunked_token_scores(hidden, lm_head_of(module), targets, valid, temperature=temperature,
-                                          chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden)
+                                          chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
+                                          accumulate_head_grad=in_place)
         else:
             scores = forward_logp(module, mb, masked, backend, temperature, cfg.logit_chunk_tokens, shared,
-                                  cfg.flex_block_size)
+                                  cfg.flex_block_size, head_grad_in_place=in_place)
     # the teacher's log-probs are the current dense policy's only when it is the teacher (dense_mismatch/* metrics)
     logp, dense_logp = scores["logp"], scores.get("teacher_logp") if shared_teacher else None
     if run.teacher:  # the tokens the teacher KL applies to (learner.kl_tokens; every valid one for `all`)
