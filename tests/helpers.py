@@ -296,9 +296,10 @@ class PlainEngine:
 
 
 def float64_token_scores(hidden, head, targets, valid, *, temperature=1.0, chunk_tokens=256, teacher_hidden=None,
-                         teacher_head=None):
+                         teacher_head=None, accumulate_head_grad=False):
     """`chunked_token_scores` in float64 (the learner's rounds its logits to float32, so two batchings would
-    differ at float32 eps): log-probs, entropy, and with a teacher its KL, log-probs and argmax."""
+    differ at float32 eps): log-probs, entropy, and with a teacher its KL, log-probs and argmax. The head's
+    gradient always goes through autograd (`accumulate_head_grad` changes where it is summed, not the sum)."""
     logq = torch.log_softmax(head(hidden) / temperature, dim=-1)
     out = {"logp": logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * valid,
            "entropy": -(logq.exp() * logq).sum(-1).detach() * valid}
