@@ -285,6 +285,9 @@ class PlainEngine:
     def zero_optimization(self) -> bool:
         return False
 
+    def zero_optimization_stage(self) -> int:
+        return 0
+
     def bfloat16_enabled(self) -> bool:
         return False
 
