@@ -87,11 +87,14 @@ class _ChunkedScores(torch.autograd.Function):
         logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         kl, entropy, teacher_logp, lse, teacher_lse = (torch.zeros_like(logp) for _ in range(5))
         teacher_argmax = torch.zeros(N, dtype=torch.long, device=hidden.device)
-        rows = min(chunk, max(N, 1))
+        # two buffers (log q, and q or the teacher's log p) of half a chunk each: chunk x V floats in all, as the
+        # backward; this forward runs while every saved activation is alive, so its buffers add to the step's peak
+        step = max(1, chunk // 2)
+        rows = min(step, max(N, 1))
         buf_q, buf_p = (torch.empty(rows, V, dtype=torch.float32, device=hidden.device) for _ in range(2))
         with torch.no_grad():
-            for a in range(0, N, chunk):
-                b = min(a + chunk, N)
+            for a in range(0, N, step):
+                b = min(a + step, N)
                 tgt = targets[a:b].unsqueeze(-1)
                 log_q, lse[a:b] = _log_softmax_(_logits_into(buf_q, hidden[a:b], weight, bias, temperature))
                 logp[a:b] = log_q.gather(-1, tgt).squeeze(-1)
