@@ -74,8 +74,8 @@ class _ChunkedScores(torch.autograd.Function):
     None, teacher_bias [V] | None) -> logp [N], kl [N] (zeros without teacher), entropy [N], teacher_logp [N],
     teacher_argmax [N] (int64, zeros without teacher); gradients for hidden, weight, bias. The teacher's logits
     come from teacher_weight / teacher_bias (the policy's own head detached, or a separate teacher model's; never
-    differentiated). Two [chunk, V] float32 buffers per call, reused by every
-    chunk; everything else in place on them.
+    differentiated). Two [chunk / 2, V] float32 buffers per call (one [chunk, V] in a backward without teacher),
+    reused by every chunk; everything else in place on them.
 
     `accumulate`: the weight's gradient goes straight into `weight.grad` inside the backward (created when None)
     and autograd gets None for it (`accumulate_head_grad`)."""
