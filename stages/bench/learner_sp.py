@@ -123,9 +123,9 @@ def one_process_loss(model, mb, cfg, temperature: float = 1.0, score=None, head_
                                                          cfg.flex_block_size)
         hidden, targets, valid = response_hidden(model, mb.input_ids, mb.evict_at if masked else None,
                                                  mb.prompt_lens, mb.resp_lens, backend, **extra)
-    in_place = {"accumulate_head_grad": True} if head_grad_in_place else {}
     scores = (score or chunked_token_scores)(hidden, lm_head_of(model), targets, valid, temperature=temperature,
-                                  chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden, **in_place)
+                                  chunk_tokens=cfg.logit_chunk_tokens, teacher_hidden=teacher_hidden,
+                                  accumulate_head_grad=head_grad_in_place)
     batch = ObjectiveBatch(advantages=mb.advantages, mask=mb.valid, rollout_logp=mb.rollout_logp,
                            masked_logp=scores["logp"] if masked else None,
                            dense_logp=None if masked else scores["logp"], kl_per_token=scores.get("kl"))
@@ -361,7 +361,8 @@ def bench_learner_sequence_parallel(processes: int, shape: str | None = None, le
              + f"; {threads or 'default'} thread(s) a process, cores {cores or 'any'}. Peak per process = the step's "
              f"working memory ({peak_what}); the N-process row's is its largest process's (per rank beside it). "
              "Anon = the same from the anonymous resident set sampled every 2 ms (file-backed pages excluded: "
-             "a cross-check on a loaded machine). Saved = what autograd keeps for the backward, counted in a forward of its own after the measured step (the activations: distinct storages, parameters "
+             "a cross-check on a loaded machine). Saved = what autograd keeps for the backward, counted in a "
+             "forward of its own after the measured step (the activations: distinct storages, parameters "
              "excluded; the largest process's). Held before the step on every process: weights, gradients, inputs, "
              "runtime (base).")
     print_fn(f"{'processes':>9}  {'backend':<8}{'T':>6}{'peak/proc MiB':>15}{'per rank MiB':>18}{'x one':>8}"

@@ -165,8 +165,8 @@ class _ChunkedScores(torch.autograd.Function):
                         weight.grad = d_weight.to(weight.dtype)
                     else:
                         weight.grad.add_(d_weight.to(weight.grad.dtype))
-            d_weight, need_w = None, False
-        return (d_hidden, d_weight.to(weight.dtype) if need_w else None,
+            d_weight = None  # autograd gets no gradient for the weight: it is in .grad already
+        return (d_hidden, d_weight.to(weight.dtype) if d_weight is not None else None,
                 d_bias.to(bias.dtype) if need_b else None, None, None, None, None, None, None, None)
 
 

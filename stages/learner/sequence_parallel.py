@@ -302,15 +302,17 @@ def sequence_parallel_scores(model, sp: SequenceParallel, input_ids: Tensor, evi
 
 
 def sequence_parallel_loss(model, sp: SequenceParallel, mb, cfg, temperature: float,
-                           head_grad_in_place: bool = False, **batch_fields: Any) -> tuple[Tensor, dict[str, float], dict[str, Tensor]]:
+                           head_grad_in_place: bool = False,
+                           **batch_fields: Any) -> tuple[Tensor, dict[str, float], dict[str, Tensor]]:
     """The learner's loss of one micro-batch (`stages.learner.data.MicroBatch`, the whole right-padded one on every
     process of the group) under sequence parallelism: the objective `cfg.objective` (`objective_loss` on an
     `ObjectiveBatch`, as `train.micro_step` builds it) over the whole micro-batch's scores
     (`sequence_parallel_scores`: shadow-masked for the masked objectives, dense otherwise; smd's dense teacher
     when kl_lambda > 0). `batch_fields`: the `ObjectiveBatch` fields the learner fills from outside the forward
-    (old_logp, ref_logp, kl_mask, sparse_rl_rejection, ...). `head_grad_in_place`: see `sequence_parallel_scores`. Every process of the group returns the same loss;
-    backward on each, then the gradients summed over the group are the one-process gradient
-    (`sum_gradients`, or DeepSpeed's average over all processes with the loss scaled by their count).
+    (old_logp, ref_logp, kl_mask, sparse_rl_rejection, ...). `head_grad_in_place`: see `sequence_parallel_scores`.
+    Every process of the group returns the same loss; backward on each, then the gradients summed over the group
+    are the one-process gradient (`sum_gradients`, or DeepSpeed's average over all processes with the loss scaled
+    by their count).
     Returns (loss, terms, scores)."""
     from stages.learner.objectives import ObjectiveBatch, objective_loss, objective_spec
 
