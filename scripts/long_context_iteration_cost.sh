@@ -9,12 +9,17 @@
 #     SPEC  a comparison spec (experiments/smollm2_long_context.yaml)
 #     DATA  the prepared data (`smdctl prepare ... --out DATA`, with the spec's prepare settings)
 #     ARMS  space-separated arm names (default "dense smd-l0.1@0.5")
+#   Environment: STAGES (default "rollout compact learn") runs only those stages; EXTRA ("-S k=v ...") is applied
+#   after the arm's overrides, e.g. EXTRA="-S rollout.prompts_per_iteration=4 -S rollout.batch_size=32" STAGES=rollout
+#   for the rollout's peak at another batch (the memory per sequence is the slope between two batches).
 # Needs `smdctl` on PATH and the spec's model. Prints one line per arm and stage, then the table.
 set -euo pipefail
 out=${1:?usage: long_context_iteration_cost.sh OUT SPEC DATA [ARMS]}
 spec=${2:?usage: long_context_iteration_cost.sh OUT SPEC DATA [ARMS]}
 data=${3:?usage: long_context_iteration_cost.sh OUT SPEC DATA [ARMS]}
 arms=${4:-"dense smd-l0.1@0.5"}
+stages=${STAGES:-"rollout compact learn"}
+read -r -a extra <<< "${EXTRA:-}"
 mkdir -p "$out"
 for arm in $arms; do
   dir="$out/$arm"
@@ -31,8 +36,10 @@ for k, v in {**spec.get("common", {}), **spec["arms"][sys.argv[2]]}.items():
 PY
 )
   model=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['common']['model.init_path'])" "$spec")
-  run() {  # stage name, then its command: skipped when its timing is on record
+  sets+=("${extra[@]}")
+  run() {  # stage name, then its command: skipped when its timing is on record or not in STAGES
     local stage=$1; shift
+    [[ " $stages " == *" $stage "* ]] || return 0
     [ -f "$dir/$stage.time" ] && return 0
     /usr/bin/time -f "%e %M" -o "$dir/.$stage.time" "$@" > "$dir/$stage.log" 2>&1
     mv "$dir/.$stage.time" "$dir/$stage.time"
