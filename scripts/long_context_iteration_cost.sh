@@ -11,7 +11,8 @@
 #     ARMS  space-separated arm names (default "dense smd-l0.1@0.5")
 #   Environment: STAGES (default "rollout compact learn") runs only those stages; EXTRA ("-S k=v ...") is applied
 #   after the arm's overrides, e.g. EXTRA="-S rollout.prompts_per_iteration=4 -S rollout.batch_size=32" STAGES=rollout
-#   for the rollout's peak at another batch (the memory per sequence is the slope between two batches).
+#   for the rollout's peak at another batch (the memory per sequence is the slope between two batches); give each
+#   EXTRA its own OUT, since stages on record there are skipped.
 # Needs `smdctl` on PATH and the spec's model. Prints one line per arm and stage, then the table.
 set -euo pipefail
 out=${1:?usage: long_context_iteration_cost.sh OUT SPEC DATA [ARMS]}
