@@ -110,6 +110,9 @@ def bench_rollout_cmd(
         min=1, help="With --long: the memory budget (MiB beyond the model) of the largest-batch search.")] = None,
     budget_case: Annotated[str | None, typer.Option(
         help="With --long and --budget-mib: the PROMPTxNEW case of the search (default: the first case).")] = None,
+    max_batch: Annotated[int, typer.Option(
+        min=1, help="With --long and --budget-mib: the largest batch the search tries (each probe is a whole "
+                    "run of the case: a cap bounds the search's time).")] = 256,
 ) -> None:
     """transformers `generate` (the anchor) vs smd's engine, dense and every eviction policy: tokens/s, KV-cache
     bytes and peak memory side by side. With --processes: the rollout stage on 1, 2, ... processes, tokens/s and
@@ -135,7 +138,8 @@ def bench_rollout_cmd(
 
         guarded(lambda: bench_rollout_long(
             model, parse_cases(cases), batch_size or 8, keep_ratio, interval, prefill_chunk_tokens, engine_list,
-            threads, budget_mib, parse_cases(budget_case)[0] if budget_case else None, device))
+            threads, budget_mib, parse_cases(budget_case)[0] if budget_case else None, device,
+            max_batch=max_batch))
         return
     if model is not None:
         from stages.bench.rollout import bench_rollout_model

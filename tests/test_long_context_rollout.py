@@ -259,3 +259,7 @@ def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path, capsy
     said = capsys.readouterr().err  # each engine's measurement as it finished, before the table
     assert [line.split()[4].rstrip(":") for line in said.splitlines() if line.startswith("# 48+6 x 2 ")] == [
         "smd-dense", "smd-snapkv", "smd-snapkv-k", "generate"]
+    # each probe of the search as it ended: doubling 1, 2, then the cap (max_batch 2) stops it
+    probes = [line.split(": ")[0].split()[-2:] for line in said.splitlines() if line.startswith("# budget 10000 MiB")]
+    assert probes == [[b, e] for e in ("smd-dense", "smd-snapkv", "smd-snapkv-k", "generate") for b in ("1", "2")]
+    assert all("fits" in line for line in said.splitlines() if line.startswith("# budget "))

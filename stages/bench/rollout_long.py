@@ -153,8 +153,16 @@ def largest_batch_by_running(spec: dict[str, Any], budget_mib: float, max_batch:
     """The largest batch whose run stays within `budget_mib` beyond the model (measured peak - held), by doubling
     from 1 and then bisecting; (0, None) when not even one sequence fits. Returns the batch and its run."""
     def fits(b: int) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
         r = run_isolated({**spec, "batch": b, "prefill_run": False}, timeout_s)
-        return r if r is not None and r["peak_mib"] - r["held_mib"] <= budget_mib else None
+        ok = r is not None and r["peak_mib"] - r["held_mib"] <= budget_mib
+        # every probe is a whole run (minutes at long context): each is said as it ends, so a stopped search
+        # still reports what it measured
+        said = (f"{r['peak_mib'] - r['held_mib']:.0f} MiB beyond the model, {'fits' if ok else 'over'}"
+                if r is not None else "failed (out of memory or past the timeout)")
+        print(f"# budget {budget_mib:.0f} MiB, {spec['prompt']}+{spec['new']} x {b} {spec['engine']}: {said} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        return r if ok else None
 
     best_b, best = 0, None
     b = 1
