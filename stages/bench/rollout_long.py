@@ -79,7 +79,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         from stages.common import vllm_sampler
 
         held_before = _held_mib(device)
-        llm = vllm_sampler.VllmEngine(model_dir, spec.get("dtype", "float32"), P + N + 1, B)
+        # vLLM counts prompt plus output tokens against max_model_len: P + N, which a model's last position allows
+        llm = vllm_sampler.VllmEngine(model_dir, spec.get("dtype", "float32"), P + N, B)
         weights = _weights_mib(model_dir)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
