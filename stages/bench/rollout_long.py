@@ -156,11 +156,12 @@ def largest_batch_by_running(spec: dict[str, Any], budget_mib: float, max_batch:
     def fits(b: int) -> dict[str, Any] | None:
         t0 = time.perf_counter()
         r = run_isolated({**spec, "batch": b, "prefill_run": False}, timeout_s)
-        ok = r is not None and r["peak_mib"] - r["held_mib"] <= budget_mib
+        beyond = None if r is None else r["peak_mib"] - r["held_mib"]
+        ok = beyond is not None and beyond <= budget_mib
         # every probe is a whole run (minutes at long context): each is said as it ends, so a stopped search
         # still reports what it measured
-        said = (f"{r['peak_mib'] - r['held_mib']:.0f} MiB beyond the model, {'fits' if ok else 'over'}"
-                if r is not None else "failed (out of memory or past the timeout)")
+        said = (f"{beyond:.0f} MiB beyond the model, {'fits' if ok else 'over'}" if beyond is not None
+                else "failed (out of memory or past the timeout)")
         print(f"# budget {budget_mib:.0f} MiB, {spec['prompt']}+{spec['new']} x {b} {spec['engine']}: {said} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         return r if ok else None
