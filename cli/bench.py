@@ -186,7 +186,8 @@ def bench_learner_cmd(
     shape: Annotated[str | None, typer.Option(
         help="Model shape: tiny (the default model; the default shape), qwen3-vocab (Qwen3's 151,936-token "
              "vocabulary and 16 q / 8 kv heads on a small body), qwen3-0.6b-4l (Qwen3-0.6B's layers, heads and "
-             "vocabulary, 4 of its 28 layers; the default with --sequence-parallel) or qwen3-1.7b (Qwen3-1.7B's "
+             "vocabulary, 4 of its 28 layers; the default with --sequence-parallel), qwen3-0.6b-8l (the same, 8 "
+             "layers) or qwen3-1.7b (Qwen3-1.7B's "
              "config: a GPU shape).")] = None,
     lengths: Annotated[str | None, typer.Option(help="Comma-separated sequence lengths T (default: the shape's: "
                                                      "tiny 512,2048,4096; qwen3-vocab 1024,4096; with "

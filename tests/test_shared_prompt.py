@@ -301,3 +301,39 @@ def test_only_sdpa_models_switch_to_grouped_sdpa(model_dir):
     other.config._attn_implementation = "eager"
     use_sdpa_gqa(other)
     assert other.config._attn_implementation == "eager"
+
+
+def test_read_only_prefix_cache_reads_the_prefix_and_keeps_nothing(model_dir):
+    """The dense teacher's cache over the policy's prefix (`read_only_prefix_cache`): a forward of the suffix on it
+    gives exactly the hidden states transformers' `DynamicCache` over the same prefix gives (float64; the same
+    operations), and afterwards it holds the prefix alone -- the `DynamicCache` holds every layer's whole sequence
+    -- so the teacher's pass frees each layer's appended keys and values as it leaves the layer."""
+    from transformers import DynamicCache
+
+    from stages.learner.shadow_attention import decoder_of, read_only_prefix_cache
+
+    model = float64_policy(model_dir)
+    ids = torch.tensor([random_prompts([29], seed=5)[0]])
+    s, T = 17, ids.shape[1]
+    positions = torch.arange(T).unsqueeze(0)
+    decoder = decoder_of(model)
+    with torch.no_grad():
+        prefix = DynamicCache(config=model.config)
+        decoder(input_ids=ids[:, :s], position_ids=positions[:, :s], past_key_values=prefix, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in prefix.layers]
+        read_only = read_only_prefix_cache(kv, model.config)
+        kept = DynamicCache(kv, config=model.config)
+        got = decoder(input_ids=ids[:, s:], position_ids=positions[:, s:], past_key_values=read_only,
+                      use_cache=True).last_hidden_state
+        want = decoder(input_ids=ids[:, s:], position_ids=positions[:, s:], past_key_values=kept,
+                       use_cache=True).last_hidden_state
+        whole = decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, s:]
+    assert torch.equal(got, want)
+    assert torch.allclose(got, whole, rtol=REL, atol=REL)  # the prefix cache is the whole sequence's first rows
+    assert read_only.get_seq_length() == s and kept.get_seq_length() == T
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(read_only.layers, kv))
+    new_k = torch.ones(1, kv[0][0].shape[1], 2, kv[0][0].shape[3], dtype=torch.float64)
+    new_v = -new_k
+    k, v = read_only.layers[0].update(new_k, new_v)
+    assert torch.equal(k, torch.cat([kv[0][0], new_k], dim=-2)) and torch.equal(v, torch.cat([kv[0][1], new_v], dim=-2))
+    assert read_only.get_seq_length() == s

@@ -68,6 +68,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b-4l": {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
                       "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                       "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
+    # the same with 8 of its 28 layers: the depth at which the activations, which sequence parallelism splits, are
+    # most of a step at T = 8192 as in the real model, while one process's step still fits this machine (~11 GB)
+    "qwen3-0.6b-8l": {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
+                      "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                      "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
 }
 SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"lengths": (512, 2048, 4096), "modes": ("dense", "smd_flex", "smd_tiled", "smd_sdpa", "smd_gather"),
@@ -79,6 +84,7 @@ SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     # a GPU shape (the paper's figures: smd 100% of dense memory, physical slicing 150%)
     "qwen3-1.7b": {"lengths": (4096, 16384), "modes": ("dense", "smd_flex", "smd_gather"), "target_memory": 1.1},
     "qwen3-0.6b-4l": {"lengths": (1024, 4096), "modes": ("dense", "smd_tiled"), "target_memory": 1.1},
+    "qwen3-0.6b-8l": {"lengths": (1024, 4096), "modes": ("dense", "smd_tiled"), "target_memory": 1.1},
 }
 GATHER_ATTENTION = "smd_gather_bench"
 

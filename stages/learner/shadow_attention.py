@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from schemas.raw_masks import visibility
 from stages.common.model import attention_implementation
@@ -198,6 +199,32 @@ def shadow_suffix_attention(module, query, key, value, attention_mask, dropout=0
 AttentionInterface.register(SHADOW_SUFFIX_ATTENTION, shadow_suffix_attention)
 
 
+class _ReadOnlyLayer(DynamicLayer):
+    """A cache layer over fixed keys and values [B, H, s, D] that a forward reads but never grows: `update`
+    returns them with the new states appended and keeps nothing, so a forward over a suffix holds one layer's
+    whole keys and values at a time (transformers' `DynamicLayer` keeps every layer's until the cache is freed)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def read_only_prefix_cache(prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], config) -> Cache:
+    """A KV cache holding `prefix_kv` (one (keys, values) per layer) for a forward that reads it and is not
+    continued: the dense teacher's pass on top of the policy's prefix (`response_hidden_with_teacher`, the shared
+    prompt's runs). The keys and values the pass appends are not kept, so the teacher no longer holds every
+    layer's whole-sequence keys and values (at T = 8k on Qwen3-0.6B's layer, 64 MiB a layer) beside the policy's
+    pass. Models with sliding-window or other non-full layers get transformers' `DynamicCache` (which keeps them)."""
+    cache = DynamicCache(config=config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return DynamicCache(prefix_kv, config=config)
+    return Cache(layers=[_ReadOnlyLayer(k, v) for k, v in prefix_kv])
+
+
 def shared_prefix_length(evict_at: torch.Tensor, prompt_lens: list[int], align: int = 1) -> int:
     """Rows both policies compute identically: before the first eviction in any layer/row/head (right padding
     counts as one) and before the first logit the loss needs (min prompt length - 1); a multiple of `align`."""
@@ -216,8 +243,6 @@ def response_hidden_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     With layer checkpointing on (`enable_layer_checkpointing`) the two run as separate full forwards.
     Returns (masked hidden [B, R, D], dense hidden [B, R, D] detached, targets [B, R], valid [B, R]).
     """
-    from transformers import DynamicCache
-
     B, T = input_ids.shape
     align = block_size if backend == "flex" else 1
     s = shared_prefix_length(evict_at, prompt_lens, align)
@@ -241,8 +266,8 @@ def response_hidden_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     decoder(input_ids=input_ids[:, :s], position_ids=positions[:, :s], past_key_values=cache, use_cache=True)
     suffix, suffix_pos = input_ids[:, s:], positions[:, s:]
     with torch.no_grad():
-        teacher_cache = DynamicCache([(layer.keys.detach(), layer.values.detach()) for layer in cache.layers],
-                                     config=model.config)
+        teacher_cache = read_only_prefix_cache([(layer.keys.detach(), layer.values.detach())
+                                                for layer in cache.layers], model.config)
         dense = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache,
                         use_cache=True).last_hidden_state
     extra = {}

@@ -30,6 +30,7 @@ from stages.learner.shadow_attention import (
     decoder_of,
     gather_response,
     layer_checkpointing_enabled,
+    read_only_prefix_cache,
     response_hidden,
     response_hidden_with_teacher,
 )
@@ -107,7 +108,7 @@ def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_
     dense = None
     if teacher:
         with torch.no_grad():
-            teacher_cache = DynamicCache([(k.detach(), v.detach()) for k, v in prompt_kv], config=model.config)
+            teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv], model.config)
             dense = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache,
                             use_cache=True).last_hidden_state
     run_cache = DynamicCache(prompt_kv, config=model.config)
@@ -195,7 +196,7 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
     dense_ev = suffix_evict_at(None, row_starts, frame, width, L, H).to(device) if teacher or evict_at is None else None
     if teacher:
         with torch.no_grad():
-            teacher_cache = DynamicCache([(k.detach(), v.detach()) for k, v in prompt_kv], config=model.config)
+            teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv], model.config)
             with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
                 dense = decoder(input_ids=suffix, position_ids=cols, past_key_values=teacher_cache, use_cache=True,
                                 smd_evict_at=dense_ev, smd_backend=backend).last_hidden_state
