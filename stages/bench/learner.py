@@ -52,6 +52,10 @@ TARGET_MEMORY = 1.05
 # Model shapes. `tiny`: the default experiment's model and vocabulary. `qwen3-vocab`: Qwen3's real vocabulary
 # (151,936) and GQA head layout (16 query / 8 KV heads as Qwen3-0.6B and 1.7B; head_dim 64 instead of 128 and
 # hidden 256, 2 layers, so that a step at T = 4096 fits this machine and a few minutes: the lm head is most of it).
+# Qwen3-0.6B's decoder layer and vocabulary (the `qwen3-0.6b-*` shapes add the depth)
+_QWEN3_06B_LAYER: dict[str, Any] = {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072,
+                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                                    "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6}
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "qwen3-vocab": {"vocab_size": 151_936, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
@@ -65,14 +69,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     # embeddings) with 4 of its 28 layers: the per-token activations of a long sequence dominate the step, as in the
     # real model, while a CPU step at T = 8192 stays a few minutes (`bench learner --sequence-parallel`: 8 KV heads
     # split by 2, 4 or 8 processes).
-    "qwen3-0.6b-4l": {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
-                      "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-                      "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
+    "qwen3-0.6b-4l": {**_QWEN3_06B_LAYER, "num_hidden_layers": 4},
     # the same with 8 of its 28 layers: the depth at which the activations, which sequence parallelism splits, are
     # most of a step at T = 8192 as in the real model, while one process's step still fits this machine (~11 GB)
-    "qwen3-0.6b-8l": {"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
-                      "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-                      "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6},
+    "qwen3-0.6b-8l": {**_QWEN3_06B_LAYER, "num_hidden_layers": 8},
 }
 SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"lengths": (512, 2048, 4096), "modes": ("dense", "smd_flex", "smd_tiled", "smd_sdpa", "smd_gather"),
@@ -84,8 +84,8 @@ SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
     # a GPU shape (the paper's figures: smd 100% of dense memory, physical slicing 150%)
     "qwen3-1.7b": {"lengths": (4096, 16384), "modes": ("dense", "smd_flex", "smd_gather"), "target_memory": 1.1},
     "qwen3-0.6b-4l": {"lengths": (1024, 4096), "modes": ("dense", "smd_tiled"), "target_memory": 1.1},
-    "qwen3-0.6b-8l": {"lengths": (1024, 4096), "modes": ("dense", "smd_tiled"), "target_memory": 1.1},
 }
+SHAPE_DEFAULTS["qwen3-0.6b-8l"] = SHAPE_DEFAULTS["qwen3-0.6b-4l"]
 GATHER_ATTENTION = "smd_gather_bench"
 
 
