@@ -337,3 +337,39 @@ def test_read_only_prefix_cache_reads_the_prefix_and_keeps_nothing(model_dir):
     k, v = read_only.layers[0].update(new_k, new_v)
     assert torch.equal(k, torch.cat([kv[0][0], new_k], dim=-2)) and torch.equal(v, torch.cat([kv[0][1], new_v], dim=-2))
     assert read_only.get_seq_length() == s
+
+
+@pytest.mark.parametrize("batch_runs", [True, False], ids=["runs-batched", "run-by-run"])
+def test_tiled_rows_keep_one_copy_of_their_prompt_keys(model_dir, batch_runs):
+    """On the tiled backend a group's rows read their prompt's keys and values in place: what autograd keeps for
+    the backward holds no per-row copy of a prompt cache (no [rows, H, >= prompt rows, D] tensor), where the sdpa
+    backend's concatenation keeps one per layer (the check can fail)."""
+    ids, evict_at, prompt_lens, resp_lens = grouped_rollout(model_dir, "snapkv", seed=1)
+    model = load_policy(model_dir)
+    cfg = model.config
+    H, D = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    rows_before = min(prompt_lens) - 1  # every run shares at least this many prompt rows
+    widest = max(resp_lens) + max(prompt_lens) - min(prompt_lens) + 1  # no suffix of a row reaches it
+
+    def per_row_prompt_copies(backend: str) -> int:
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden, _, _, _ = shared_prompt_hidden(model, ids, evict_at, prompt_lens, resp_lens, backend, 16,
+                                                   teacher=True, batch_runs=batch_runs)
+        hidden.sum().backward()
+        return sum(1 for s in shapes if len(s) == 4 and s[0] in suffix_rows and s[1] == H and s[3] == D
+                   and s[2] >= max(rows_before, widest))
+
+    # the suffix passes' batch sizes: all rows at once, or each run of several rows (the prompt passes hold one
+    # row per run)
+    runs = prompt_runs(ids, prompt_lens)
+    suffix_rows = {len(prompt_lens)} if batch_runs else {e - a for a, e in runs if e - a > 1}
+    assert len(runs) == 3 and not suffix_rows & ({len(runs)} if batch_runs else {1})
+
+    assert per_row_prompt_copies("sdpa") >= cfg.num_hidden_layers
+    assert per_row_prompt_copies("tiled") == 0

@@ -174,3 +174,54 @@ def test_tiled_backward_twice_with_retained_graph():
     first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
     second = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("tile", [5, 256])
+@pytest.mark.parametrize("policy", ["snapkv", "random", "dense"])
+def test_tiled_shared_prefix_equals_the_concatenation_float64(policy, tile):
+    """Rows reading shared prefixes (`prefix`, `prefix_rows`: a GRPO group's one prompt cache) give, in float64,
+    the values and gradients of the same call on each row's concatenated keys and values, the prefixes' gradients
+    the sum of their rows' (autograd's, through the concatenation), to 1e-12."""
+    S, n, D = 24, 30, 8
+    rows = [0, 0, 1, 0]
+    lengths = [S + n, S + n - 5, S + n, S + n - 3]
+    ev = _evict_at(policy, lengths, [26, 26, 30, 26], 2, seed=3)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, 6, n, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(4, 2, n, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    pk, pv = (torch.randn(2, 2, S, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad = torch.randn(4, 6, n, D, generator=g, dtype=torch.float64)
+    index = torch.tensor(rows)
+
+    def concatenated():
+        full_k, full_v = torch.cat([pk[index], k], dim=2), torch.cat([pv[index], v], dim=2)
+        return tiled_shadow_attention(q, full_k, full_v, ev, D**-0.5, tile)
+
+    def shared():
+        return tiled_shadow_attention(q, k, v, ev, D**-0.5, tile, prefix=(pk, pv), prefix_rows=rows)
+
+    leaves = (q, k, v, pk, pv)
+    results = []
+    for fn in (concatenated, shared):
+        for x in leaves:
+            x.grad = None
+        out = fn()
+        out.backward(grad)
+        results.append((out.detach(), [x.grad.clone() for x in leaves]))
+    (ref, ref_grads), (out, grads) = results
+    with torch.no_grad():
+        ref_sdpa = _reference(q, torch.cat([pk[index], k], dim=2), torch.cat([pv[index], v], dim=2), ev, D**-0.5)
+    assert float((ref - ref_sdpa).abs().max()) <= 1e-12  # the concatenation's tiled pass is the reference's
+    assert float((out - ref).abs().max()) <= 1e-12
+    for got, want in zip(grads, ref_grads):
+        assert float((got - want).abs().max()) <= 1e-12 * max(1.0, float(want.abs().max()))
+    assert float(pk.grad[1].abs().max()) > 0  # the second prefix is read (row 2) and gets its gradient
+
+
+def test_tiled_shared_prefix_refuses_rows_without_a_prefix():
+    q = torch.randn(2, 4, 5, 8)
+    k = torch.randn(2, 2, 5, 8)
+    prefix = (torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    ev = torch.full((2, 2, 8), 100)
+    with pytest.raises(ValueError, match="prefix_rows"):
+        tiled_shadow_attention(q, k, k, ev, 0.3, prefix=prefix, prefix_rows=[0, 1])

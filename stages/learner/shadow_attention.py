@@ -61,12 +61,29 @@ def shadow_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def replay_shadow_mask(module, query, key, value, scaling, kwargs):
     """The shadow-masked attention of the query rows [T_k - T_q, T_k) (all rows in a full forward, the rows after a
-    cached prefix otherwise) on the backend `smd_backend` names; returns transformers' (output, weights)."""
+    cached prefix otherwise) on the backend `smd_backend` names; returns transformers' (output, weights).
+
+    `smd_prefix` (one (keys, values) [R, H_kv, S, D] per layer) and `smd_prefix_rows` (row b reads prefix
+    `smd_prefix_rows[b]`): the rows continue shared prefixes that the forward holds once (a GRPO group's prompt,
+    `stages.learner.shared_prompt`); the keys of row b are its prefix's followed by `key`'s. The tiled backend reads
+    the prefix in place; the others attend to the rows' concatenation."""
     evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
     backend = kwargs.get("smd_backend", "sdpa")
     layer = module.layer_idx
     groups = query.shape[1] // key.shape[1]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    prefix = kwargs["smd_prefix"][layer] if kwargs.get("smd_prefix") is not None else None
+    if prefix is not None and backend == "tiled":
+        from stages.learner.tiled_backend import tiled_shadow_attention
+
+        out = tiled_shadow_attention(query, key, value, evict_at[layer], scaling, prefix=prefix,
+                                     prefix_rows=kwargs.get("smd_prefix_rows"))
+        return out.transpose(1, 2).contiguous(), None
+    if prefix is not None:
+        rows = kwargs.get("smd_prefix_rows") or [0] * query.shape[0]
+        index = torch.tensor(rows, dtype=torch.long, device=key.device)
+        key = torch.cat([prefix[0].index_select(0, index), key], dim=2)
+        value = torch.cat([prefix[1].index_select(0, index), value], dim=2)
     if backend == "flex":
         from stages.learner.flex_backend import flex_shadow_attention
 
@@ -219,10 +236,15 @@ def read_only_prefix_cache(prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], c
     prompt's runs). The keys and values the pass appends are not kept, so the teacher no longer holds every
     layer's whole-sequence keys and values (at T = 8k on Qwen3-0.6B's layer, 64 MiB a layer) beside the policy's
     pass. Models with sliding-window or other non-full layers get transformers' `DynamicCache` (which keeps them)."""
-    cache = DynamicCache(config=config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if not full_attention_layers(config):
         return DynamicCache(prefix_kv, config=config)
     return Cache(layers=[_ReadOnlyLayer(k, v) for k, v in prefix_kv])
+
+
+def full_attention_layers(config) -> bool:
+    """Whether every layer of the model attends to its whole causal past (transformers' cache for it holds only
+    plain `DynamicLayer`s, no sliding-window or chunked ones): what a forward reading a shared prefix assumes."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
 
 
 def shared_prefix_length(evict_at: torch.Tensor, prompt_lens: list[int], align: int = 1) -> int:

@@ -28,6 +28,7 @@ from stages.common.model import attention_implementation
 from stages.learner.shadow_attention import (
     SHADOW_SUFFIX_ATTENTION,
     decoder_of,
+    full_attention_layers,
     gather_response,
     layer_checkpointing_enabled,
     read_only_prefix_cache,
@@ -101,10 +102,15 @@ def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_
     cache = DynamicCache(config=model.config)
     decoder(input_ids=ids[:1, :s], position_ids=torch.arange(s, device=device).unsqueeze(0), past_key_values=cache,
             use_cache=True)
-    # the one prompt forward's keys and values, seen by every row of the run (expand: a view; its gradient sums)
-    prompt_kv = [(layer.keys.expand(G, -1, -1, -1), layer.values.expand(G, -1, -1, -1)) for layer in cache.layers]
     suffix = ids[:, s:]
     suffix_pos = torch.arange(s, T, device=device).unsqueeze(0).expand(G, T - s)
+    if backend == "tiled" and full_attention_layers(model.config):
+        # the G rows read the prompt's one copy of its keys and values (the tiled backend's shared prefix)
+        prefix = [(layer.keys, layer.values) for layer in cache.layers]
+        hidden, dense = _prefix_passes(model, suffix, suffix_pos, prefix, [0] * G, evict_at, teacher)
+        return _gathered(hidden, dense, ids, [prompt_len] * G, resp_lens, prompt_len - 1 - s)
+    # the one prompt forward's keys and values, seen by every row of the run (expand: a view; its gradient sums)
+    prompt_kv = [(layer.keys.expand(G, -1, -1, -1), layer.values.expand(G, -1, -1, -1)) for layer in cache.layers]
     dense = None
     if teacher:
         with torch.no_grad():
@@ -125,10 +131,44 @@ def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_
         with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
             hidden = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=run_cache, use_cache=True,
                              smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
-    start = prompt_len - 1  # hidden row start - s predicts the first response token
-    kept = (hidden[:, start - s:],) if dense is None else (hidden[:, start - s:], dense[:, start - s:])
+    return _gathered(hidden, dense, ids, prompt_lens, resp_lens, prompt_len - 1 - s)
+
+
+def _gathered(hidden: torch.Tensor, dense: torch.Tensor | None, ids: torch.Tensor, prompt_lens: list[int],
+              resp_lens: list[int], first: int):
+    """(policy hidden, teacher hidden or None, targets, valid) at the response positions of a suffix pass whose row
+    `first` predicts the first response token (prompt's last row P - 1, minus the suffix's start s)."""
+    start = first + (ids.shape[1] - hidden.shape[1])  # the suffix's row `first` is token start of `ids`
+    kept = (hidden[:, first:],) if dense is None else (hidden[:, first:], dense[:, first:])
     gathered, targets, valid = gather_response(kept, ids, prompt_lens, resp_lens, start)
     return gathered[0], (gathered[1] if dense is not None else None), targets, valid
+
+
+def _prefix_passes(model, suffix: torch.Tensor, positions: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]],
+                   prefix_rows: list[int], evict_at: torch.Tensor | None, teacher: bool,
+                   dense_ev: torch.Tensor | None = None):
+    """The suffix rows [B, W] on top of shared prompt caches that they read in place (`prefix`: per layer keys and
+    values [R, H, S, D], row b reading prefix `prefix_rows[b]`; the tiled backend), shadow-masked by `evict_at`
+    ([L, B, H, S + W]) or densely when None, and with `teacher` also the dense pass under no_grad. The dense
+    passes see the keys through `dense_ev` (default: every key visible to every later query).
+    Returns (hidden [B, W, D], dense teacher hidden or None)."""
+    B, W = suffix.shape
+    if dense_ev is None and (teacher or evict_at is None):
+        L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+        T = prefix[0][0].shape[2] + W
+        dense_ev = torch.full((L, B, H, T), T + 1, dtype=torch.long, device=suffix.device)
+    decoder = decoder_of(model)
+
+    def run(kv, ev):
+        with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+            return decoder(input_ids=suffix, position_ids=positions, use_cache=False, smd_evict_at=ev,
+                           smd_backend="tiled", smd_prefix=kv, smd_prefix_rows=prefix_rows).last_hidden_state
+
+    dense = None
+    if teacher:
+        with torch.no_grad():
+            dense = run([(k.detach(), v.detach()) for k, v in prefix], dense_ev)
+    return run(prefix, dense_ev if evict_at is None else evict_at), dense
 
 
 def suffix_evict_at(evict_at: torch.Tensor | None, starts: list[int], frame: int, width: int,
@@ -184,16 +224,26 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
     cache = DynamicCache(config=model.config)
     decoder(input_ids=heads, position_ids=torch.arange(frame, device=device).unsqueeze(0).expand(len(runs), frame),
             past_key_values=cache, use_cache=True)
-    prompt_kv = [(layer.keys.index_select(0, run_of_row), layer.values.index_select(0, run_of_row))
-                 for layer in cache.layers]
     ends = [prompt_lens[b] + max(resp_lens[b], 1) for b in range(B)]
     width = max(min(ends[b], ids.shape[1]) - row_starts[b] for b in range(B))
     # row b's suffix tokens [s_b, s_b + width) and their positions (past the row's end: its own padding tokens)
     cols = torch.tensor(row_starts, device=device).view(B, 1) + torch.arange(width, device=device).view(1, width)
     suffix = torch.gather(ids, 1, cols.clamp(max=ids.shape[1] - 1))
-    dense = None
     # the dense passes' view of the frame (smd's teacher, the dense objectives): every real key visible
     dense_ev = suffix_evict_at(None, row_starts, frame, width, L, H).to(device) if teacher or evict_at is None else None
+    ev = dense_ev if evict_at is None else suffix_evict_at(evict_at, row_starts, frame, width, L, H)
+    # in the suffix's own coordinates row b's prompt ends at P_b - s_b (its suffix holds its tokens from s_b on)
+    suffix_prompts = [prompt_lens[b] - row_starts[b] for b in range(B)]
+    if backend == "tiled" and full_attention_layers(model.config):
+        # every row reads its run's one copy of the prompt's keys and values (the tiled backend's shared prefix)
+        prefix = [(layer.keys, layer.values) for layer in cache.layers]
+        hidden, dense = _prefix_passes(model, suffix, cols, prefix, run_of_row.tolist(), ev, teacher, dense_ev)
+        kept = (hidden,) if dense is None else (hidden, dense)
+        gathered, targets, valid = gather_response(kept, suffix, suffix_prompts, resp_lens, 0)
+        return gathered[0], (gathered[1] if dense is not None else None), targets, valid
+    prompt_kv = [(layer.keys.index_select(0, run_of_row), layer.values.index_select(0, run_of_row))
+                 for layer in cache.layers]
+    dense = None
     if teacher:
         with torch.no_grad():
             teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv], model.config)
@@ -201,14 +251,11 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
                 dense = decoder(input_ids=suffix, position_ids=cols, past_key_values=teacher_cache, use_cache=True,
                                 smd_evict_at=dense_ev, smd_backend=backend).last_hidden_state
     run_cache = DynamicCache(prompt_kv, config=model.config)
-    ev = dense_ev if evict_at is None else suffix_evict_at(evict_at, row_starts, frame, width, L, H)
     with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
         hidden = decoder(input_ids=suffix, position_ids=cols, past_key_values=run_cache, use_cache=True,
                          smd_evict_at=ev, smd_backend=backend).last_hidden_state
-    # in the suffix's own coordinates row b's prompt ends at P_b - s_b (its suffix holds its tokens from s_b on)
     kept = (hidden,) if dense is None else (hidden, dense)
-    gathered, targets, valid = gather_response(kept, suffix, [prompt_lens[b] - row_starts[b] for b in range(B)],
-                                               resp_lens, 0)
+    gathered, targets, valid = gather_response(kept, suffix, suffix_prompts, resp_lens, 0)
     return gathered[0], (gathered[1] if dense is not None else None), targets, valid
 
 
