@@ -4,9 +4,10 @@ GRPO samples G responses per prompt; the per-sample learner forwards every sampl
 never restricts a prompt token's queries (eviction starts after the prefill: every prompt key has
 evict_at >= P), so a prompt's hidden states, keys and values are the same in every sample of its group, in the
 shadow-masked pass and in the dense teacher's pass. Here each run of micro-batch rows with the same prompt
-(a group, or part of one) forwards that prompt once, batch 1, into a KV cache with gradient; the cache is
-expanded (a view, no copy) to the run's G rows, and the G responses run on top of it, each under its own
-shadow mask (or densely). Autograd sums the G rows' gradients into the one prompt forward, so the prompt's
+(a group, or part of one) forwards that prompt once, batch 1, into a KV cache with gradient, and the G
+responses run on top of it, each under its own shadow mask (or densely). On the tiled backend every row's
+attention reads the prompt's one copy of its keys and values in place (`smd_prefix`); on the others the cache is
+expanded (a view) to the run's G rows and concatenated with the responses' keys per row. Autograd sums the G rows' gradients into the one prompt forward, so the prompt's
 gradient accumulates once and equals the sum of the per-sample computation's (float64 tests to 1e-10,
 tests/test_shared_prompt.py).
 
