@@ -7,9 +7,9 @@ shadow-masked pass and in the dense teacher's pass. Here each run of micro-batch
 (a group, or part of one) forwards that prompt once, batch 1, into a KV cache with gradient, and the G
 responses run on top of it, each under its own shadow mask (or densely). On the tiled backend every row's
 attention reads the prompt's one copy of its keys and values in place (`smd_prefix`); on the others the cache is
-expanded (a view) to the run's G rows and concatenated with the responses' keys per row. Autograd sums the G rows' gradients into the one prompt forward, so the prompt's
-gradient accumulates once and equals the sum of the per-sample computation's (float64 tests to 1e-10,
-tests/test_shared_prompt.py).
+expanded (a view) to the run's G rows and concatenated with the responses' keys per row. Autograd sums the G
+rows' gradients into the one prompt forward, so the prompt's gradient accumulates once and equals the sum of the
+per-sample computation's (float64 tests to 1e-10, tests/test_shared_prompt.py).
 
 The suffix starts at the prompt's last token (s = P - 1, the first position whose output predicts a response
 token) or earlier where a mask evicts inside the prompt, and for FlexAttention at a multiple of its block size
@@ -109,44 +109,45 @@ def _run_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None, prompt_
         # the G rows read the prompt's one copy of its keys and values (the tiled backend's shared prefix)
         prefix = [(layer.keys, layer.values) for layer in cache.layers]
         hidden, dense = _prefix_passes(model, suffix, suffix_pos, prefix, [0] * G, evict_at, teacher)
-        return _gathered(hidden, dense, ids, [prompt_len] * G, resp_lens, prompt_len - 1 - s)
-    # the one prompt forward's keys and values, seen by every row of the run (expand: a view; its gradient sums)
+    else:
+        hidden, dense = _expanded_cache_passes(model, suffix, suffix_pos, cache, evict_at, backend, block_size, s,
+                                               teacher)
+    start = prompt_len - 1  # hidden row start - s predicts the first response token
+    kept = (hidden[:, start - s:],) if dense is None else (hidden[:, start - s:], dense[:, start - s:])
+    gathered, targets, valid = gather_response(kept, ids, prompt_lens, resp_lens, start)
+    return gathered[0], (gathered[1] if dense is not None else None), targets, valid
+
+
+def _expanded_cache_passes(model, suffix: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                           evict_at: torch.Tensor | None, backend: str, block_size: int, s: int, teacher: bool):
+    """`_prefix_passes` for the sdpa and flex backends: the one prompt cache expanded (a view; its gradient sums)
+    to the suffix's G rows, each row's layer concatenating it with its own keys and values."""
+    G = suffix.shape[0]
+    decoder = decoder_of(model)
     prompt_kv = [(layer.keys.expand(G, -1, -1, -1), layer.values.expand(G, -1, -1, -1)) for layer in cache.layers]
     dense = None
     if teacher:
         with torch.no_grad():
             teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv], model.config)
-            dense = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache,
+            dense = decoder(input_ids=suffix, position_ids=positions, past_key_values=teacher_cache,
                             use_cache=True).last_hidden_state
     run_cache = DynamicCache(prompt_kv, config=model.config)
     if evict_at is None:
-        hidden = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=run_cache,
-                         use_cache=True).last_hidden_state
-    else:
-        extra = {}
-        if backend == "flex":
-            from stages.learner.flex_backend import build_block_masks
+        return decoder(input_ids=suffix, position_ids=positions, past_key_values=run_cache,
+                       use_cache=True).last_hidden_state, dense
+    extra = {}
+    if backend == "flex":
+        from stages.learner.flex_backend import build_block_masks
 
-            extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size,
-                                                         prefix=s)
-        with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-            hidden = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=run_cache, use_cache=True,
-                             smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
-    return _gathered(hidden, dense, ids, prompt_lens, resp_lens, prompt_len - 1 - s)
+        extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
+    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+        hidden = decoder(input_ids=suffix, position_ids=positions, past_key_values=run_cache, use_cache=True,
+                         smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
+    return hidden, dense
 
 
-def _gathered(hidden: torch.Tensor, dense: torch.Tensor | None, ids: torch.Tensor, prompt_lens: list[int],
-              resp_lens: list[int], first: int):
-    """(policy hidden, teacher hidden or None, targets, valid) at the response positions of a suffix pass whose row
-    `first` predicts the first response token (prompt's last row P - 1, minus the suffix's start s)."""
-    start = first + (ids.shape[1] - hidden.shape[1])  # the suffix's row `first` is token start of `ids`
-    kept = (hidden[:, first:],) if dense is None else (hidden[:, first:], dense[:, first:])
-    gathered, targets, valid = gather_response(kept, ids, prompt_lens, resp_lens, start)
-    return gathered[0], (gathered[1] if dense is not None else None), targets, valid
-
-
-def _prefix_passes(model, suffix: torch.Tensor, positions: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]],
-                   prefix_rows: list[int], evict_at: torch.Tensor | None, teacher: bool,
+def _prefix_passes(model, suffix: torch.Tensor, positions: torch.Tensor,
+                   prefix: list[tuple[torch.Tensor, torch.Tensor]], prefix_rows: list[int], evict_at: torch.Tensor | None, teacher: bool,
                    dense_ev: torch.Tensor | None = None):
     """The suffix rows [B, W] on top of shared prompt caches that they read in place (`prefix`: per layer keys and
     values [R, H, S, D], row b reading prefix `prefix_rows[b]`; the tiled backend), shadow-masked by `evict_at`
@@ -239,22 +240,21 @@ def _runs_batched_hidden(model, ids: torch.Tensor, evict_at: torch.Tensor | None
         # every row reads its run's one copy of the prompt's keys and values (the tiled backend's shared prefix)
         prefix = [(layer.keys, layer.values) for layer in cache.layers]
         hidden, dense = _prefix_passes(model, suffix, cols, prefix, run_of_row.tolist(), ev, teacher, dense_ev)
-        kept = (hidden,) if dense is None else (hidden, dense)
-        gathered, targets, valid = gather_response(kept, suffix, suffix_prompts, resp_lens, 0)
-        return gathered[0], (gathered[1] if dense is not None else None), targets, valid
-    prompt_kv = [(layer.keys.index_select(0, run_of_row), layer.values.index_select(0, run_of_row))
-                 for layer in cache.layers]
-    dense = None
-    if teacher:
-        with torch.no_grad():
-            teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv], model.config)
-            with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-                dense = decoder(input_ids=suffix, position_ids=cols, past_key_values=teacher_cache, use_cache=True,
-                                smd_evict_at=dense_ev, smd_backend=backend).last_hidden_state
-    run_cache = DynamicCache(prompt_kv, config=model.config)
-    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-        hidden = decoder(input_ids=suffix, position_ids=cols, past_key_values=run_cache, use_cache=True,
-                         smd_evict_at=ev, smd_backend=backend).last_hidden_state
+    else:  # the prompt cache gathered per row (index_select: autograd sums a run's rows into its one forward)
+        prompt_kv = [(layer.keys.index_select(0, run_of_row), layer.values.index_select(0, run_of_row))
+                     for layer in cache.layers]
+        dense = None
+        if teacher:
+            with torch.no_grad():
+                teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv],
+                                                       model.config)
+                with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+                    dense = decoder(input_ids=suffix, position_ids=cols, past_key_values=teacher_cache,
+                                    use_cache=True, smd_evict_at=dense_ev, smd_backend=backend).last_hidden_state
+        run_cache = DynamicCache(prompt_kv, config=model.config)
+        with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+            hidden = decoder(input_ids=suffix, position_ids=cols, past_key_values=run_cache, use_cache=True,
+                             smd_evict_at=ev, smd_backend=backend).last_hidden_state
     kept = (hidden,) if dense is None else (hidden, dense)
     gathered, targets, valid = gather_response(kept, suffix, suffix_prompts, resp_lens, 0)
     return gathered[0], (gathered[1] if dense is not None else None), targets, valid
