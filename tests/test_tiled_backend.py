@@ -225,3 +225,17 @@ def test_tiled_shared_prefix_refuses_rows_without_a_prefix():
     ev = torch.full((2, 2, 8), 100)
     with pytest.raises(ValueError, match="prefix_rows"):
         tiled_shadow_attention(q, k, k, ev, 0.3, prefix=prefix, prefix_rows=[0, 1])
+
+
+def test_shared_prefix_needs_the_tiled_backend():
+    """A forward that hands the attention a shared prefix on another backend fails in one line, instead of
+    attending without the prefix."""
+    from types import SimpleNamespace
+
+    from stages.learner.shadow_attention import replay_shadow_mask
+
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    prefix = [(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))]
+    kwargs = {"smd_evict_at": torch.full((1, 1, 2, 8), 9), "smd_backend": "sdpa", "smd_prefix": prefix}
+    with pytest.raises(ValueError, match="smd_prefix: the sdpa backend"):
+        replay_shadow_mask(SimpleNamespace(layer_idx=0), q, k, k, None, kwargs)

@@ -65,8 +65,8 @@ def replay_shadow_mask(module, query, key, value, scaling, kwargs):
 
     `smd_prefix` (one (keys, values) [R, H_kv, S, D] per layer) and `smd_prefix_rows` (row b reads prefix
     `smd_prefix_rows[b]`): the rows continue shared prefixes that the forward holds once (a GRPO group's prompt,
-    `stages.learner.shared_prompt`); the keys of row b are its prefix's followed by `key`'s. The tiled backend reads
-    the prefix in place; the others attend to the rows' concatenation."""
+    `stages.learner.shared_prompt`); the keys of row b are its prefix's followed by `key`'s. Only the tiled backend
+    reads a prefix in place; for the others the caller passes the concatenation as `key` and `value`."""
     evict_at = kwargs["smd_evict_at"]  # [L, B, H_kv, T]
     backend = kwargs.get("smd_backend", "sdpa")
     layer = module.layer_idx
@@ -79,11 +79,8 @@ def replay_shadow_mask(module, query, key, value, scaling, kwargs):
         out = tiled_shadow_attention(query, key, value, evict_at[layer], scaling, prefix=prefix,
                                      prefix_rows=kwargs.get("smd_prefix_rows"))
         return out.transpose(1, 2).contiguous(), None
-    if prefix is not None:
-        rows = kwargs.get("smd_prefix_rows") or [0] * query.shape[0]
-        index = torch.tensor(rows, dtype=torch.long, device=key.device)
-        key = torch.cat([prefix[0].index_select(0, index), key], dim=2)
-        value = torch.cat([prefix[1].index_select(0, index), value], dim=2)
+    if prefix is not None:  # the other backends take the whole keys (the shared prompt concatenates them)
+        raise ValueError(f"smd_prefix: the {backend} backend reads no shared prefix; use tiled")
     if backend == "flex":
         from stages.learner.flex_backend import flex_shadow_attention
 
