@@ -244,6 +244,31 @@ def full_attention_layers(config) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
 
 
+def teacher_suffix_hidden(model, suffix: torch.Tensor, positions: torch.Tensor,
+                          prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The dense teacher's final hidden states of the rows `suffix` after a prefix whose keys and values are
+    `prefix_kv` (one (keys, values) per layer, detached here), under no_grad, through `read_only_prefix_cache`."""
+    with torch.no_grad():
+        cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prefix_kv], model.config)
+        return decoder_of(model)(input_ids=suffix, position_ids=positions, past_key_values=cache,
+                                 use_cache=True).last_hidden_state
+
+
+def masked_suffix_hidden(model, suffix: torch.Tensor, positions: torch.Tensor, cache: Cache, evict_at: torch.Tensor,
+                         backend: str, block_size: int, prefix: int) -> torch.Tensor:
+    """The shadow-masked final hidden states of the rows `suffix` continuing `cache` (the first `prefix`
+    positions), on `backend` (FlexAttention's block masks built for the rows after the prefix)."""
+    extra = {}
+    if backend == "flex":
+        from stages.learner.flex_backend import build_block_masks
+
+        extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size,
+                                                     prefix=prefix)
+    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
+        return decoder_of(model)(input_ids=suffix, position_ids=positions, past_key_values=cache, use_cache=True,
+                                 smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
+
+
 def shared_prefix_length(evict_at: torch.Tensor, prompt_lens: list[int], align: int = 1) -> int:
     """Rows both policies compute identically: before the first eviction in any layer/row/head (right padding
     counts as one) and before the first logit the loss needs (min prompt length - 1); a multiple of `align`."""
@@ -284,19 +309,8 @@ def response_hidden_with_teacher(model, input_ids: torch.Tensor, evict_at: torch
     cache = DynamicCache(config=model.config)
     decoder(input_ids=input_ids[:, :s], position_ids=positions[:, :s], past_key_values=cache, use_cache=True)
     suffix, suffix_pos = input_ids[:, s:], positions[:, s:]
-    with torch.no_grad():
-        teacher_cache = read_only_prefix_cache([(layer.keys.detach(), layer.values.detach())
-                                                for layer in cache.layers], model.config)
-        dense = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=teacher_cache,
-                        use_cache=True).last_hidden_state
-    extra = {}
-    if backend == "flex":
-        from stages.learner.flex_backend import build_block_masks
-
-        extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
-    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-        masked = decoder(input_ids=suffix, position_ids=suffix_pos, past_key_values=cache, use_cache=True,
-                         smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
+    dense = teacher_suffix_hidden(model, suffix, suffix_pos, [(layer.keys, layer.values) for layer in cache.layers])
+    masked = masked_suffix_hidden(model, suffix, suffix_pos, cache, evict_at, backend, block_size, s)
     # hidden rows [s, T); s <= start = min(prompt_lens) - 1, the first row the loss needs
     start = min(prompt_lens) - 1
     (masked, dense), targets, valid = gather_response((masked[:, start - s:], dense[:, start - s:]), input_ids,

@@ -32,9 +32,11 @@ from stages.learner.shadow_attention import (
     full_attention_layers,
     gather_response,
     layer_checkpointing_enabled,
+    masked_suffix_hidden,
     read_only_prefix_cache,
     response_hidden,
     response_hidden_with_teacher,
+    teacher_suffix_hidden,
 )
 
 
@@ -123,31 +125,18 @@ def _expanded_cache_passes(model, suffix: torch.Tensor, positions: torch.Tensor,
     """`_prefix_passes` for the sdpa and flex backends: the one prompt cache expanded (a view; its gradient sums)
     to the suffix's G rows, each row's layer concatenating it with its own keys and values."""
     G = suffix.shape[0]
-    decoder = decoder_of(model)
     prompt_kv = [(layer.keys.expand(G, -1, -1, -1), layer.values.expand(G, -1, -1, -1)) for layer in cache.layers]
-    dense = None
-    if teacher:
-        with torch.no_grad():
-            teacher_cache = read_only_prefix_cache([(k.detach(), v.detach()) for k, v in prompt_kv], model.config)
-            dense = decoder(input_ids=suffix, position_ids=positions, past_key_values=teacher_cache,
-                            use_cache=True).last_hidden_state
+    dense = teacher_suffix_hidden(model, suffix, positions, prompt_kv) if teacher else None
     run_cache = DynamicCache(prompt_kv, config=model.config)
     if evict_at is None:
-        return decoder(input_ids=suffix, position_ids=positions, past_key_values=run_cache,
-                       use_cache=True).last_hidden_state, dense
-    extra = {}
-    if backend == "flex":
-        from stages.learner.flex_backend import build_block_masks
-
-        extra["smd_block_masks"] = build_block_masks(evict_at, model.config.num_attention_heads, block_size, prefix=s)
-    with attention_implementation(model, SHADOW_SUFFIX_ATTENTION):
-        hidden = decoder(input_ids=suffix, position_ids=positions, past_key_values=run_cache, use_cache=True,
-                         smd_evict_at=evict_at, smd_backend=backend, **extra).last_hidden_state
-    return hidden, dense
+        return decoder_of(model)(input_ids=suffix, position_ids=positions, past_key_values=run_cache,
+                                 use_cache=True).last_hidden_state, dense
+    return masked_suffix_hidden(model, suffix, positions, run_cache, evict_at, backend, block_size, s), dense
 
 
 def _prefix_passes(model, suffix: torch.Tensor, positions: torch.Tensor,
-                   prefix: list[tuple[torch.Tensor, torch.Tensor]], prefix_rows: list[int], evict_at: torch.Tensor | None, teacher: bool,
+                   prefix: list[tuple[torch.Tensor, torch.Tensor]], prefix_rows: list[int],
+                   evict_at: torch.Tensor | None, teacher: bool,
                    dense_ev: torch.Tensor | None = None):
     """The suffix rows [B, W] on top of shared prompt caches that they read in place (`prefix`: per layer keys and
     values [R, H, S, D], row b reading prefix `prefix_rows[b]`; the tiled backend), shadow-masked by `evict_at`
