@@ -70,7 +70,8 @@ def bench_rollout_cmd(
     group_size: Annotated[int | None, typer.Option(
         min=2, help="With --processes: samples per prompt (default 8). With --model: the GRPO workload instead, "
                     "--prompts x G samples: smd SnapKV shared and per sample, smd dense shared, vLLM n=G with "
-                    "prefix caching on and off (--lengths: prompt lengths, default 140).")] = None,
+                    "prefix caching on and off (--lengths: prompt lengths, default 140). With --model and --long: "
+                    "the long-context table on GRPO groups (--batch-size / G prompts, G samples each).")] = None,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="With --processes: tokens per random prompt.")] = 110,
     policy: Annotated[Path | None, typer.Option(
         help="With --processes: policy directory (default: the default tiny model, random init).")] = None,
@@ -126,20 +127,20 @@ def bench_rollout_cmd(
         return [int(x) for x in lengths.split(",") if x.strip()]
 
     engine_list = [x.strip() for x in engines.split(",") if x.strip()] if engines else None
-    if model is not None and group_size is not None:
-        from stages.bench.rollout import bench_rollout_groups
-
-        guarded(lambda: bench_rollout_groups(model, group_size, parse_lengths(), prompts or 16, keep_ratio,
-                                             new_tokens or 16, batch_size or 16, repeats or 2, engine_list,
-                                             profile=profile))
-        return
     if model is not None and long:
         from stages.bench.rollout_long import bench_rollout_long, parse_cases
 
         guarded(lambda: bench_rollout_long(
             model, parse_cases(cases), batch_size or 8, keep_ratio, interval, prefill_chunk_tokens, engine_list,
             threads, budget_mib, parse_cases(budget_case)[0] if budget_case else None, device,
-            max_batch=max_batch))
+            max_batch=max_batch, group_size=group_size or 1))
+        return
+    if model is not None and group_size is not None:
+        from stages.bench.rollout import bench_rollout_groups
+
+        guarded(lambda: bench_rollout_groups(model, group_size, parse_lengths(), prompts or 16, keep_ratio,
+                                             new_tokens or 16, batch_size or 16, repeats or 2, engine_list,
+                                             profile=profile))
         return
     if model is not None:
         from stages.bench.rollout import bench_rollout_model

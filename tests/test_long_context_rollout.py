@@ -213,12 +213,45 @@ def test_snapkv_recomputed_window_equals_its_ring(model64, interval, share, monk
 
 def test_snapkv_at_an_interval_keeps_no_ring(model64):
     ev = _eviction("snapkv", interval=8)
-    state = new_state(model64, grouped_prompts(), ev, 4)
+    state = new_state(model64, grouped_prompts(), ev, 20)
     assert state.decode_observation == "window_queries"
     _, state, _ = _prefill(model64, grouped_prompts(), ev, True, 0)
     assert all("ring" not in s.extra for s in state.slots)
     _, state, _ = _prefill(model64, grouped_prompts(), _eviction("snapkv"), True, 0)
     assert all("ring" in s.extra for s in state.slots)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_no_decode_observation_when_no_decoding_step_evicts(model64, policy, monkeypatch):
+    """Responses that end before the interval's first eviction (GRPO's short answers at interval 64): the batch
+    records no observation (SnapKV buffers no window queries), and its tokens and masks equal those of the same
+    batch made to record them."""
+    from stages.common.kvcache import sampler
+
+    ev = _eviction(policy, interval=8)
+    made = []
+
+    def recording(record: bool):
+        def wrapped(*args, **kw):
+            state = new_state(*args, **kw)
+            state.decode_evicts = state.decode_evicts or record
+            made.append(state)
+            return state
+        return wrapped
+
+    monkeypatch.setattr(sampler, "new_state", recording(False))
+    got, _ = generate_batch(model64, grouped_prompts(), ev, 6, None, 0, 1.0, torch.Generator().manual_seed(4))
+    assert not made[-1].decode_evicts and made[-1].decode_observation == "none"
+    assert all(q is None for q in made[-1].window_queries)
+    monkeypatch.setattr(sampler, "new_state", recording(True))
+    want, _ = generate_batch(model64, grouped_prompts(), ev, 6, None, 0, 1.0, torch.Generator().manual_seed(4))
+    assert made[-1].decode_observation != "none"
+    if policy == "snapkv":
+        assert all(q is not None for q in made[-1].window_queries)  # the path that buffers them
+    for a, b in zip(got, want, strict=True):
+        assert a.response_ids == b.response_ids and np.array_equal(a.evict_at, b.evict_at)
+    # a batch long enough to evict while decoding still observes
+    assert new_state(model64, grouped_prompts(), ev, 20).decode_observation != "none"
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
@@ -263,3 +296,48 @@ def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path, capsy
     probes = [line.split(": ")[0].split()[-2:] for line in said.splitlines() if line.startswith("# budget 10000 MiB")]
     assert probes == [[b, e] for e in ("smd-dense", "smd-snapkv", "smd-snapkv-k", "generate") for b in ("1", "2")]
     assert all("fits" in line for line in said.splitlines() if line.startswith("# budget "))
+
+
+def test_bench_rollout_long_groups_repeat_each_prompt(tmp_path, monkeypatch):
+    """`bench rollout --long --group-size G`: the worker decodes batch / G distinct prompts, each G times and
+    adjacent (the rollout stage's GRPO order, which smd's engine shares), and the group size must divide the
+    batch."""
+    from stages.bench.rollout_long import bench_rollout_long, run_worker
+    from stages.common.kvcache import sampler
+
+    with pytest.raises(SmdInputError, match="--group-size 3: with --long, a positive divisor of --batch-size"):
+        bench_rollout_long(tmp_path, [(48, 6)], batch_size=4, group_size=3, engines=["smd-dense"])
+    seen = []
+    real = sampler.generate_batch
+
+    def spy(model, prompts, *args, **kw):
+        seen.append(prompts)
+        return real(model, prompts, *args, **kw)
+
+    monkeypatch.setattr(sampler, "generate_batch", spy)
+    spec = {"model": str(make_model_dir(tmp_path, "gqa")), "threads": 1, "keep_ratio": 0.5, "interval": 4,
+            "prefill_chunk_tokens": 16, "engine": "smd-snapkv-k", "batch": 6, "prompt": 20, "new": 3,
+            "group_size": 3, "prefill_run": False}
+    r = run_worker(spec)
+    timed = seen[1]  # after the warm-up
+    assert r["tokens"] == 6 * 3 and len(timed) == 6 and all(len(p) == 20 for p in timed)
+    assert timed[0] == timed[1] == timed[2] != timed[3] == timed[4] == timed[5]
+    assert len(run_worker({**spec, "group_size": 1}) and seen[-1]) == 6 and len({tuple(p) for p in seen[-1]}) == 6
+
+
+@pytest.mark.slow
+def test_bench_rollout_long_groups_search_in_whole_groups(tmp_path, capsys):
+    """With --group-size the largest-batch search doubles and bisects whole groups, and vLLM's column is left
+    out with its reason (its KV cache is sized up front)."""
+    from stages.bench.rollout_long import bench_rollout_long
+
+    lines: list[str] = []
+    rows = bench_rollout_long(make_model_dir(tmp_path, "gqa"), [(40, 4)], batch_size=4, group_size=2, interval=4,
+                              prefill_chunk_tokens=16, engines=["smd-snapkv-k", "vllm"], budget_mib=10_000,
+                              max_batch=6, print_fn=lines.append)
+    assert "vLLM's column is left out" in lines[0] and "GRPO groups of 2" in lines[1]
+    assert [(r["table"], r["engine"]) for r in rows] == [("long", "smd-snapkv-k"), ("budget", "smd-snapkv-k")]
+    assert rows[0]["tokens"] == 4 * 4 and rows[1]["largest_batch"] == 6  # 3 groups: the cap
+    probes = [line.split(": ")[0].split()[-2] for line in capsys.readouterr().err.splitlines()
+              if line.startswith("# budget 10000 MiB")]
+    assert probes == ["2", "4", "6"]  # 1 group, 2 groups, then the bisection's 3 (of 3 to 4 groups: 3 fits)

@@ -17,6 +17,13 @@ Engines:
 The smd engines prefill in chunks of `--prefill-chunk-tokens` (rollout.prefill_chunk_tokens; 0 = one forward).
 Same threads for every engine (`--threads`, each worker `torch.set_num_threads`), pinned to the caller's CPU
 affinity; random prompts (seeded by length), temperature 1, EOS ignored, exactly `new` tokens per sequence.
+
+`--group-size G` (> 1): the GRPO workload: batch / G distinct prompts, each repeated for its G samples, adjacent
+in the batch as the rollout stage orders them. smd's engines share each prompt (`rollout.share_prompt`, on as in
+the stage): the prompt's prefill and its kept keys once per group. `generate` expands every sample's prompt, as
+transformers' `num_return_sequences` does. vLLM is left out: its KV cache is allocated up front for the batch
+(`kv_cache_memory_bytes`), so its peak per sequence would be that sizing, not what a group holds (the prefix
+cache's blocks per group are counted by `bench rollout --group-size`). The largest-batch search steps in groups.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(int(spec["threads"]))
     engine, B, P, N = spec["engine"], int(spec["batch"]), int(spec["prompt"]), int(spec["new"])
+    G = int(spec.get("group_size", 1))
     device = resolve_device(spec.get("device", "auto"))
     g = torch.Generator(device="cpu").manual_seed(P)
     model_dir = Path(spec["model"])
@@ -108,7 +116,9 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 return stats.generated_tokens
         run([torch.randint(4, vocab, (WARMUP_PROMPT,), generator=g).tolist()], WARMUP_NEW)  # untimed warm-up
         held = _held_mib(device)
-    prompts = [torch.randint(4, vocab, (P,), generator=g).tolist() for _ in range(B)]
+    # a group's G samples of one prompt, adjacent (G = 1: every sequence its own prompt)
+    prompts = [p for p in (torch.randint(4, vocab, (P,), generator=g).tolist() for _ in range(B // G))
+               for _ in range(G)]
     _reset_peak(device)
     t0 = time.perf_counter()
     made = run(prompts, N)
@@ -152,8 +162,12 @@ def run_isolated(spec: dict[str, Any], timeout_s: float | None = None) -> dict[s
 def largest_batch_by_running(spec: dict[str, Any], budget_mib: float, max_batch: int = 256,
                              timeout_s: float | None = None) -> tuple[int, dict[str, Any] | None]:
     """The largest batch whose run stays within `budget_mib` beyond the model (measured peak - held), by doubling
-    from 1 and then bisecting; (0, None) when not even one sequence fits. Returns the batch and its run."""
-    def fits(b: int) -> dict[str, Any] | None:
+    from one group (`spec["group_size"]` sequences, 1 by default) and then bisecting in whole groups; (0, None)
+    when not even one group fits. Returns the batch (in sequences) and its run."""
+    G = int(spec.get("group_size", 1))
+
+    def fits(groups: int) -> dict[str, Any] | None:
+        b = groups * G
         t0 = time.perf_counter()
         r = run_isolated({**spec, "batch": b, "prefill_run": False}, timeout_s)
         beyond = None if r is None else r["peak_mib"] - r["held_mib"]
@@ -166,23 +180,24 @@ def largest_batch_by_running(spec: dict[str, Any], budget_mib: float, max_batch:
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         return r if ok else None
 
-    best_b, best = 0, None
-    b = 1
-    while b <= max_batch:
-        r = fits(b)
+    max_groups = max_batch // G
+    best_n, best = 0, None
+    n = 1
+    while n <= max_groups:
+        r = fits(n)
         if r is None:
             break
-        best_b, best = b, r
-        b *= 2
-    lo, hi = best_b, min(b, max_batch + 1)  # lo fits (or is 0), hi does not (or is past the cap)
+        best_n, best = n, r
+        n *= 2
+    lo, hi = best_n, min(n, max_groups + 1)  # lo groups fit (or is 0), hi do not (or is past the cap)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         r = fits(mid)
         if r is None:
             hi = mid
         else:
-            lo, best_b, best = mid, mid, r
-    return best_b, best
+            lo, best_n, best = mid, mid, r
+    return best_n * G, best
 
 
 def _ratio(row: dict, rows: dict[str, dict], anchor: str, key: str) -> float:
@@ -194,24 +209,34 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
                        keep_ratio: float = 0.5, interval: int = 64, prefill_chunk_tokens: int = 2048,
                        engines: list[str] | None = None, threads: int = 1, budget_mib: float | None = None,
                        budget_case: tuple[int, int] | None = None, device: str = "auto", dtype: str = "float32",
-                       timeout_s: float | None = None, max_batch: int = 256, print_fn=print) -> list[dict]:
+                       timeout_s: float | None = None, max_batch: int = 256, group_size: int = 1,
+                       print_fn=print) -> list[dict]:
     """Print the long-context table (and, with `budget_mib`, the largest-batch table at `budget_case`, default the
-    first case); return the rows (module docstring)."""
+    first case); return the rows (module docstring). `group_size` G > 1: the GRPO workload (module docstring)."""
     from stages.common import vllm_sampler
 
     names = list(engines or LONG_ENGINES)
     for e in names:
         if e not in LONG_ENGINES:
             raise SmdInputError(f"--engines: {e!r}; with --long choose from {', '.join(LONG_ENGINES)}")
+    if group_size < 1 or batch_size % group_size or max_batch < group_size:
+        raise SmdInputError(f"--group-size {group_size}: with --long, a positive divisor of --batch-size "
+                            f"({batch_size}) no larger than --max-batch ({max_batch})")
+    if group_size > 1 and "vllm" in names:
+        print_fn("--group-size: vLLM's column is left out (its KV cache is allocated up front for the batch, so its "
+                 "peak per sequence is that sizing; `bench rollout --group-size` counts its prefix-cache blocks)")
+        names.remove("vllm")
     if "vllm" in names and not vllm_sampler.available():
         print_fn(f"vLLM is not installed: its column is left out ({vllm_sampler.INSTALL_HINT})")
         names.remove("vllm")
     cases = cases or list(LONG_CASES)
     base = {"model": str(model_dir), "threads": threads, "keep_ratio": keep_ratio, "interval": interval,
-            "prefill_chunk_tokens": prefill_chunk_tokens, "device": device, "dtype": dtype}
+            "prefill_chunk_tokens": prefill_chunk_tokens, "device": device, "dtype": dtype, "group_size": group_size}
+    grouping = (f"GRPO groups of {group_size} samples a prompt (smd shares each prompt; generate expands it); "
+                if group_size > 1 else "")
     print_fn(f"{model_dir}, {dtype}, {threads} thread(s) per engine, each run its own process; SnapKV keep "
              f"{keep_ratio}, smd-snapkv-k interval {interval}, smd prefill chunk {prefill_chunk_tokens} tokens; "
-             f"peak/seq = (peak - model and warm-up) / batch")
+             f"{grouping}peak/seq = (peak - model and warm-up) / batch")
     print_fn(f"{'prompt':>6} {'new':>5} {'batch':>5} {'engine':>13} {'tok/s':>7} {'decode tok/s':>12} "
              f"{'prefill s':>9} {'x smd-dense':>11} {'x vllm':>7} {'x generate':>10} {'peak/seq MiB':>12} "
              f"{'x smd-dense':>11}")

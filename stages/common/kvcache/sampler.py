@@ -93,6 +93,8 @@ class RolloutState:
     window_queries: list[torch.Tensor | None] = field(default_factory=list)
     window_pos: torch.Tensor | None = None
     window_entry: torch.Tensor | None = None
+    # Host: whether any decoding step of the batch evicts (the schedule's excess), computed once per batch.
+    decode_evicts: bool = True
 
     @property
     def capacity(self) -> int:
@@ -113,8 +115,10 @@ class RolloutState:
 
     @property
     def decode_observation(self) -> str:
-        """What the policy observes while decoding ("none" when nothing is evicted then)."""
-        return self.policy.decode_observation() if self.evicts_while_decoding else "none"
+        """What the policy observes while decoding: "none" when no decoding step of the batch evicts (the policy
+        evicts at prefill only, or every response ends before the first eviction of an interval), since only an
+        eviction reads an observation. So a GRPO batch of short responses at `interval` 64 buffers no queries."""
+        return self.policy.decode_observation() if self.evicts_while_decoding and self.decode_evicts else "none"
 
     def prefill_mask(self, q_start: int, q_end: int, k_end: int, rows: slice = slice(None)) -> torch.Tensor:
         """Bool mask [B or 1, 1, q_end - q_start, k_end] of prompt queries q_start..q_end over keys 0..k_end of
@@ -855,6 +859,7 @@ def new_state(model, prompts: list[list[int]], eviction: EvictionParams, max_new
         evict_at=torch.full((num_layers, len(prompts), num_kv, T_max), -1, dtype=torch.int32, device=device),
         slots=[None] * num_layers,
         window_queries=[None] * num_layers,
+        decode_evicts=any(x > 0 for x in schedule.step_excess),
     )
 
 
