@@ -22,6 +22,7 @@ from schemas.params.rollout import POLICIES, EvictionParams
 from schemas.raw_masks import budget, visible_counts
 from stages.common.kvcache.policies import snapkv
 from stages.common.kvcache.sampler import (
+    BatchStore,
     EvictingCache,
     generate_batch,
     new_state,
@@ -111,6 +112,73 @@ def test_chunked_prefill_runs_row_group_by_row_group(model64, share, monkeypatch
         _prefill(model64, prompts, _eviction("snapkv"), share, chunk)
         rows = 3 if share else len(prompts)  # the distinct prompts, or every row
         assert seen == [min(per_group, rows - g) for g in range(0, rows, per_group)]
+
+
+def _block_row(block: torch.Tensor, t: torch.Tensor) -> int | None:
+    """Which layer's entry of `block` the tensor `t` lies in (a view of that entry), else None."""
+    if t.untyped_storage().data_ptr() != block.untyped_storage().data_ptr():
+        return None
+    offset = t.storage_offset() - block.storage_offset()
+    per_layer = block[0].numel()
+    return offset // per_layer if offset % per_layer + t.numel() <= per_layer else None
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("chunk", [0, 7])
+@pytest.mark.parametrize("policy", ["snapkv", "dense", "random"])
+def test_batch_store_holds_every_layer_in_one_block_per_kind(model64, policy, share, chunk):
+    """What the batch keeps (each row's own keys and values, the shared prompts' kept ones, the slot positions) is
+    layer i's entry of one block per kind, whichever prefill path and policy filled it."""
+    _, state, cache = _prefill(model64, grouped_prompts(), _eviction(policy), share, chunk)
+    blocks = cache.store.blocks
+    assert blocks["own"].shape[0] == blocks["slot_pos"].shape[0] == len(cache.layers)
+    assert ("prompt" in blocks) == state.shares_storage == share
+    for i, layer in enumerate(cache.layers):
+        assert _block_row(blocks["own"], layer.keys) == _block_row(blocks["own"], layer.values) == i
+        assert layer.values.data_ptr() - layer.keys.data_ptr() == layer.keys.nbytes  # keys, then values
+        assert _block_row(blocks["slot_pos"], state.slots[i].slot_pos) == i
+        if share:
+            assert _block_row(blocks["prompt"], layer.prompt_keys) == i
+            assert _block_row(blocks["prompt"], layer.prompt_values) == i
+
+
+def test_cache_is_freed_before_the_masks_are_built(model64, monkeypatch):
+    """The per-sequence masks are as large as evict_at: when `sample_results` builds them the batch's cache (its
+    store's blocks, the layers' keys, the slots) is already dropped, and evict_at is whole."""
+    from stages.common.kvcache import sampler
+
+    seen = []
+    build = sampler.sample_results
+
+    def checking(state, *args):
+        seen.append((all(s is None for s in state.slots), state.evict_at.shape[0] == len(state.slots)))
+        return build(state, *args)
+
+    caches = []
+    monkeypatch.setattr(sampler, "sample_results", checking)
+    monkeypatch.setattr(sampler, "EvictingCache", lambda st, _c=sampler.EvictingCache: caches.append(_c(st)) or caches[-1])
+    generate_batch(model64, grouped_prompts(), _eviction("snapkv"), 5, None, 0, 1.0, torch.Generator().manual_seed(1))
+    assert seen == [(True, True)]
+    assert caches[0].store.blocks == {} and caches[0].nbytes() == 0
+
+
+def test_batch_store_views_fills_and_falls_back():
+    """A kind's block is allocated at its first request, for every layer, filled once; a request of another shape
+    or dtype gets a tensor of its own, filled as asked."""
+    store = BatchStore(3)
+    like = torch.zeros(1, dtype=torch.float64)
+    first = store.view("own", 0, (2, 4), like, fill=-1)
+    assert store.blocks["own"].shape == (3, 2, 4) and store.blocks["own"].dtype == torch.float64
+    assert torch.equal(store.blocks["own"], torch.full((3, 2, 4), -1.0))  # every layer's entry, not the first's only
+    first.fill_(5)
+    assert store.view("own", 2, (2, 4), like).data_ptr() == store.blocks["own"][2].data_ptr()
+    assert torch.equal(store.blocks["own"][0], first) and store.blocks["own"][1].eq(-1).all()
+    other = store.view("own", 1, (2, 5), like, fill=7)  # another shape: its own tensor
+    assert other.shape == (2, 5) and other.eq(7).all()
+    assert other.untyped_storage().data_ptr() != store.blocks["own"].untyped_storage().data_ptr()
+    as_int = store.view("own", 1, (2, 4), torch.zeros(1, dtype=torch.long))  # another dtype: its own too
+    assert as_int.dtype == torch.long
+    assert as_int.untyped_storage().data_ptr() != store.blocks["own"].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "random"])
@@ -239,15 +307,24 @@ def test_no_decode_observation_when_no_decoding_step_evicts(model64, policy, mon
             return state
         return wrapped
 
+    buffered = []  # per batch: whether each layer holds window queries once decoding is done
+    release = sampler.EvictingCache.release
+
+    def releasing(cache):
+        buffered.append([q is not None for q in cache.state.window_queries])
+        release(cache)
+
+    monkeypatch.setattr(sampler.EvictingCache, "release", releasing)
     monkeypatch.setattr(sampler, "new_state", recording(False))
     got, _ = generate_batch(model64, grouped_prompts(), ev, 6, None, 0, 1.0, torch.Generator().manual_seed(4))
     assert not made[-1].decode_evicts and made[-1].decode_observation == "none"
-    assert all(q is None for q in made[-1].window_queries)
+    assert not any(buffered[-1])
     monkeypatch.setattr(sampler, "new_state", recording(True))
     want, _ = generate_batch(model64, grouped_prompts(), ev, 6, None, 0, 1.0, torch.Generator().manual_seed(4))
     assert made[-1].decode_observation != "none"
     if policy == "snapkv":
-        assert all(q is not None for q in made[-1].window_queries)  # the path that buffers them
+        assert all(buffered[-1])  # the path that buffers them
+    assert all(q is None for q in made[-1].window_queries)  # and the batch's end drops them
     for a, b in zip(got, want, strict=True):
         assert a.response_ids == b.response_ids and np.array_equal(a.evict_at, b.evict_at)
     # a batch long enough to evict while decoding still observes

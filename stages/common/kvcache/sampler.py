@@ -141,10 +141,11 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, state: RolloutState, layer_idx: int):
+    def __init__(self, state: RolloutState, layer_idx: int, store: BatchStore):
         super().__init__()
         self.state = state
         self.layer_idx = layer_idx
+        self.store = store
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.prompt_keys: torch.Tensor | None = None
@@ -155,8 +156,8 @@ class EvictingLayer(CacheLayerMixin):
         st = self.state
         B = len(st.prompt_lens_host)  # every row, also when the prefill ran on the distinct prompts only
         C = st.decode_slots if st.shares_storage else st.capacity
-        self.keys = key_states.new_zeros(B, H, C, D)
-        self.values = value_states.new_zeros(B, H, C, D)
+        own = self.store.view("own", self.layer_idx, (2, B, H, C, D), key_states, fill=0)
+        self.keys, self.values = own[0], own[1]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -229,13 +230,10 @@ class EvictingLayer(CacheLayerMixin):
         if keep_idx is not None:
             idx = keep_idx.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
             k, v = torch.gather(k, 2, idx), torch.gather(v, 2, idx)
-        if group is None:
-            self.prompt_keys, self.prompt_values = k.contiguous(), v.contiguous()
-            return
-        g0, g1 = group
+        g0, g1 = group or (0, len(k))
         if g0 == 0:  # the first group: the storage of every distinct prompt
-            shape = (len(self.state.prefill_pad), *k.shape[1:])
-            self.prompt_keys, self.prompt_values = k.new_empty(shape), v.new_empty(shape)
+            stored = self.store.view("prompt", self.layer_idx, (2, len(self.state.prefill_pad), *k.shape[1:]), k)
+            self.prompt_keys, self.prompt_values = stored[0], stored[1]
         self.prompt_keys[g0:g1] = k
         self.prompt_values[g0:g1] = v
 
@@ -253,13 +251,56 @@ class EvictingLayer(CacheLayerMixin):
         return own + (0 if self.prompt_keys is None else self.prompt_keys.nbytes + self.prompt_values.nbytes)
 
 
+class BatchStore:
+    """What a batch keeps for its whole run, every layer's in one block per kind: the rows' own keys and values,
+    the distinct prompts' kept keys and values, the slot positions. A layer's tensor is a view of its block's
+    entry, allocated when the first layer asks (vLLM likewise allocates its KV cache once, not per request).
+
+    Why one block: the prefill allocates each layer's permanent tensors between its transients (the group's
+    uncompressed keys, the chunk's activations). Per-layer allocations of a few MiB land inside glibc's heap
+    among the freed transients, which then cannot be returned, and the process keeps more memory than it holds
+    (docs/design.md §4b); a block of every layer's is one large allocation apart from the heap (on a GPU, one
+    segment of the caching allocator). A layer whose shape or dtype differs from its block's (no model here has
+    one) gets a tensor of its own."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.blocks: dict[str, torch.Tensor] = {}
+
+    def view(self, kind: str, layer: int, shape: tuple[int, ...], like: torch.Tensor,
+             fill: float | None = None) -> torch.Tensor:
+        """Layer `layer`'s tensor of `kind`, shaped `shape` with `like`'s dtype and device (`fill`: its initial
+        value, None: uninitialised, every entry is written before it is read)."""
+        block = self.blocks.get(kind)
+        if block is None:
+            block = like.new_empty((self.num_layers, *shape))
+            self.blocks[kind] = block
+            if fill is not None:
+                block.fill_(fill)
+        if block.shape[1:] == shape and block.dtype == like.dtype and block.device == like.device:
+            return block[layer]
+        own = like.new_empty(shape)
+        return own if fill is None else own.fill_(fill)
+
+
 class EvictingCache(Cache):
     def __init__(self, state: RolloutState):
-        super().__init__(layers=[EvictingLayer(state, i) for i in range(state.num_layers)])
+        self.store = BatchStore(state.num_layers)
+        super().__init__(layers=[EvictingLayer(state, i, self.store) for i in range(state.num_layers)])
         self.state = state
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def release(self) -> None:
+        """Drop the cache's tensors (keys, values, slots with their per-slot policy state, the buffered window
+        queries) once the batch has decoded; what the shadow masks are made of (`state.evict_at`) stays."""
+        for layer in self.layers:
+            layer.keys = layer.values = layer.prompt_keys = layer.prompt_values = None
+        self.store.blocks.clear()
+        st = self.state
+        st.slots = [None] * st.num_layers
+        st.window_queries = [None] * st.num_layers
 
 
 def _attend_grouped(query, key, value, mask, scaling, num_kv_heads, sum_queries: bool = False):
@@ -379,11 +420,11 @@ def _select_and_store(st: RolloutState, layer: int, attn_obs: torch.Tensor | Non
                                      evict_at, dest)
         written = None if dest is None else evict_at
         if rows is not None and st.shares_storage:  # slot s is prompt position s (left-padded), stored whole
-            _put_rows(st, layer, with_own_slots(slots, st.decode_slots), dest, written)
+            _put_rows(st, layer, layer_cache.store, with_own_slots(slots, st.decode_slots), dest, written)
             layer_cache.store_prompts(None, st.prefill_group)
             return
         slots, order = _front_slots(slots, st.capacity)
-        _put_rows(st, layer, slots, dest, written)
+        _put_rows(st, layer, layer_cache.store, slots, dest, written)
         layer_cache.finish_prefill(order, local, dest)
         return
     # One selection per distinct prompt (of the group), copied to its rows.
@@ -395,12 +436,12 @@ def _select_and_store(st: RolloutState, layer: int, attn_obs: torch.Tensor | Non
                                  st.prompt_lens.index_select(0, first), evict_at)
     if st.shares_storage:
         slots, order = _front_slots(slots, st.prompt_slots)
-        _put_rows(st, layer, with_own_slots(rows_of(slots, local), st.decode_slots), dest,
+        _put_rows(st, layer, layer_cache.store, with_own_slots(rows_of(slots, local), st.decode_slots), dest,
                   evict_at.index_select(0, local))
         layer_cache.store_prompts(order, st.prefill_group)
     else:
         slots, order = _front_slots(slots, st.capacity)
-        _put_rows(st, layer, rows_of(slots, local), dest, evict_at.index_select(0, local))
+        _put_rows(st, layer, layer_cache.store, rows_of(slots, local), dest, evict_at.index_select(0, local))
         layer_cache.finish_prefill(order, local, dest)
 
 
@@ -411,19 +452,20 @@ def _local_prompts(st: RolloutState, rows: torch.Tensor, dest: torch.Tensor | No
     return rows.index_select(0, dest) - st.prefill_group[0]
 
 
-def _put_rows(st: RolloutState, layer: int, slots: LayerSlots, dest: torch.Tensor | None,
+def _put_rows(st: RolloutState, layer: int, store: BatchStore, slots: LayerSlots, dest: torch.Tensor | None,
               evict_at: torch.Tensor | None) -> None:
     """The layer's slots (and `evict_at` entries, None: already written in place) of batch rows `dest` (None:
-    every row, `slots` is the layer's)."""
+    every row, `slots` is the layer's); the slot positions go into the batch's store."""
     if dest is None:
-        st.slots[layer] = slots
+        pos = store.view("slot_pos", layer, tuple(slots.slot_pos.shape), slots.slot_pos)
+        st.slots[layer] = LayerSlots(slot_pos=pos.copy_(slots.slot_pos), extra=slots.extra)
         if evict_at is not None:
             st.evict_at[layer].copy_(evict_at)  # before prefill every entry is -1
         return
     if st.prefill_group[0] == 0:  # the first row group: every row's slots, filled group by group
         B = len(st.prompt_lens_host)
         st.slots[layer] = LayerSlots(
-            slot_pos=slots.slot_pos.new_full((B, *slots.slot_pos.shape[1:]), -1),
+            slot_pos=store.view("slot_pos", layer, (B, *slots.slot_pos.shape[1:]), slots.slot_pos, fill=-1),
             extra={name: t.new_zeros((B, *t.shape[1:])) for name, t in slots.extra.items()})
     whole = st.slots[layer]
     whole.slot_pos.index_copy_(0, dest, slots.slot_pos)
@@ -735,18 +777,22 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     that distribution, the one the learner scores (no top-k / top-p truncation: see RolloutParams). `sampler`
     (rollout.sampler): torch.multinomial's exponential race, or `sample_inverse_cdf`; both draw exactly from the
     softmax, from different random streams."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
     logits = logits.float()
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    # [B, V] buffers are a decoding step's largest transients (12.6 MB at batch 64 and a 49k vocabulary): no
+    # division at temperature 1 (x / 1 is x), and the probabilities reuse the logits' buffer, which nothing
+    # reads after the log-softmax (the caller's next step replaces them).
+    logp = torch.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+    probs = torch.exp(logp, out=logits)
     if sampler == "inverse_cdf":
-        tok = sample_inverse_cdf(logp.exp(), generator)
-    elif sampler == "multinomial":
-        tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+        tok = sample_inverse_cdf(probs, generator)
     else:
-        raise ValueError(f"sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
+        tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -805,8 +851,11 @@ def generate_batch(
                                                     step, sampler)
     if simulated is not None:  # the dense run's tokens and cache, the policy's decisions as the shadow mask
         state.evict_at = simulated
-    return sample_results(state, tokens, logprobs, lengths, stopped), batch_stats(model, state, cache,
-                                                                                  max_new_tokens, lengths)
+    stats = batch_stats(model, state, cache, max_new_tokens, lengths)
+    # The per-sequence masks `sample_results` builds are as large as evict_at: the cache is freed first, so they
+    # never sit beside it (else the batch's peak would be its cache plus its masks twice).
+    cache.release()
+    return sample_results(state, tokens, logprobs, lengths, stopped), stats
 
 
 def simulated_prefill_evictions(model, prompts: list[list[int]], eviction: EvictionParams, max_new_tokens: int,
