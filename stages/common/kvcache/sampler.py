@@ -852,8 +852,8 @@ def generate_batch(
     if simulated is not None:  # the dense run's tokens and cache, the policy's decisions as the shadow mask
         state.evict_at = simulated
     stats = batch_stats(model, state, cache, max_new_tokens, lengths)
-    # The per-sequence masks `sample_results` builds are as large as evict_at: the cache is freed first, so they
-    # never sit beside it (else the batch's peak would be its cache plus its masks twice).
+    # The per-sequence masks `sample_results` builds are a copy of evict_at: the cache is freed first, so the two
+    # never sit beside it.
     cache.release()
     return sample_results(state, tokens, logprobs, lengths, stopped), stats
 
