@@ -155,8 +155,14 @@ def test_cache_is_freed_before_the_masks_are_built(model64, monkeypatch):
         return build(state, *args)
 
     caches = []
+    make_cache = sampler.EvictingCache
+
+    def keeping(state):
+        caches.append(make_cache(state))
+        return caches[-1]
+
     monkeypatch.setattr(sampler, "sample_results", checking)
-    monkeypatch.setattr(sampler, "EvictingCache", lambda st, _c=sampler.EvictingCache: caches.append(_c(st)) or caches[-1])
+    monkeypatch.setattr(sampler, "EvictingCache", keeping)
     generate_batch(model64, grouped_prompts(), _eviction("snapkv"), 5, None, 0, 1.0, torch.Generator().manual_seed(1))
     assert seen == [(True, True)]
     assert caches[0].store.blocks == {} and caches[0].nbytes() == 0

@@ -777,8 +777,6 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     that distribution, the one the learner scores (no top-k / top-p truncation: see RolloutParams). `sampler`
     (rollout.sampler): torch.multinomial's exponential race, or `sample_inverse_cdf`; both draw exactly from the
     softmax, from different random streams."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
     logits = logits.float()
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
@@ -791,8 +789,10 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     probs = torch.exp(logp, out=logits)
     if sampler == "inverse_cdf":
         tok = sample_inverse_cdf(probs, generator)
-    else:
+    elif sampler == "multinomial":
         tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    else:
+        raise ValueError(f"sampler {sampler!r}: choose from {', '.join(SAMPLERS)}")
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
