@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from stages.bench.floors import hbm_bandwidth  # noqa: E402  (the HBM floor of a decoding step)
+
 PARTS = ("preflight", "correctness", "rollout", "learner", "e2e")
 # "k64": rollout.eviction.interval 64; "compiled": rollout.compile (the decoding step, eviction included, as one
 # captured graph: CUDA graphs); the compiled engines run after the eager ones, so a slow compile cuts only them
@@ -508,21 +510,6 @@ def run_engine(model, engine: str, prompts: list[list[int]], new_tokens: int) ->
     floor_s = read / hbm_bandwidth(device)
     return {"seconds": seconds, "tokens_per_s": generated / seconds, "peak_bytes": _peak_bytes(device),
             "generated": float(generated), "host_seconds": host["seconds"], "step_s": step_s, "floor_s": floor_s}
-
-
-# Peak memory bandwidth, bytes/s, by the device's name (the vendors' data sheets: H200 4.8 TB/s, H100 SXM
-# 3.35 TB/s, H100 PCIe 2.0 TB/s, A100 80GB SXM 2.039 TB/s); another device has no floor column (nan)
-HBM_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12))
-
-
-def hbm_bandwidth(device) -> float:
-    """The device's peak memory bandwidth in bytes/s (`HBM_BANDWIDTH`), nan where unknown (the CPU)."""
-    import torch
-
-    if torch.device(device).type != "cuda":
-        return float("nan")
-    name = torch.cuda.get_device_name(device)
-    return next((bw for key, bw in HBM_BANDWIDTH if key in name), float("nan"))
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:

@@ -12,6 +12,8 @@ layer-by-layer prefill in chunks) and amortized decode-time eviction (`rollout.e
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -369,6 +371,8 @@ def test_bench_rollout_long_runs_every_engine_in_its_own_process(tmp_path, capsy
     long = [r for r in rows if r["table"] == "long"]
     assert {r["engine"] for r in long} == {"smd-dense", "smd-snapkv", "smd-snapkv-k", "generate"}
     assert all(r["tokens"] == 2 * 6 and r["peak_mib"] >= r["held_mib"] > 0 for r in long)
+    assert all(r["kv_per_seq_mib"] > 0 and 0 < r["floor_tokens_per_s"] < math.inf for r in long)
+    assert "floor tok/s" in lines[1] and "KV/seq MiB" in lines[1] and "GB/s" in lines[0]
     budget_rows = [r for r in rows if r["table"] == "budget"]
     assert len(budget_rows) == 4 and all(r["largest_batch"] == 2 for r in budget_rows)  # the cap: all fit
     assert any("largest batch" in line for line in lines)
@@ -390,12 +394,14 @@ def test_bench_rollout_long_groups_repeat_each_prompt(tmp_path, monkeypatch):
 
     with pytest.raises(SmdInputError, match="--group-size 3: with --long, a positive divisor of --batch-size"):
         bench_rollout_long(tmp_path, [(48, 6)], batch_size=4, group_size=3, engines=["smd-dense"])
-    seen = []
+    seen, stats = [], []
     real = sampler.generate_batch
 
     def spy(model, prompts, *args, **kw):
         seen.append(prompts)
-        return real(model, prompts, *args, **kw)
+        out = real(model, prompts, *args, **kw)
+        stats.append(out[1])
+        return out
 
     monkeypatch.setattr(sampler, "generate_batch", spy)
     spec = {"model": str(make_model_dir(tmp_path, "gqa")), "threads": 1, "keep_ratio": 0.5, "interval": 4,
@@ -404,6 +410,10 @@ def test_bench_rollout_long_groups_repeat_each_prompt(tmp_path, monkeypatch):
     r = run_worker(spec)
     timed = seen[1]  # after the warm-up
     assert r["tokens"] == 6 * 3 and len(timed) == 6 and all(len(p) == 20 for p in timed)
+    # the floors' inputs: the slot cache the timed run held (and read a step), the model's weights
+    assert r["kv_mib"] * 2**20 == r["kv_read_bytes"] == stats[1].cache_bytes > 0
+    model = load_policy(spec["model"])
+    assert r["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters())
     assert timed[0] == timed[1] == timed[2] != timed[3] == timed[4] == timed[5]
     run_worker({**spec, "group_size": 1})
     assert len(seen[-1]) == 6 and len({tuple(p) for p in seen[-1]}) == 6  # every sequence its own prompt
@@ -425,3 +435,31 @@ def test_bench_rollout_long_groups_search_in_whole_groups(tmp_path, capsys):
     probes = [line.split(": ")[0].split()[-2] for line in capsys.readouterr().err.splitlines()
               if line.startswith("# budget 10000 MiB")]
     assert probes == ["2", "4", "6"]  # 1 group, 2 groups, then the bisection's 3 (of 3 to 4 groups: 3 fits)
+
+
+def test_floors_by_hand():
+    """The floors beside each engine of the long bench: a step's tokens/s at the bandwidth, a dense engine's
+    average KV read, and the generate engine's KV (every sample its own cache, read whole by every step)."""
+    from stages.bench.floors import decode_floor_tokens_per_s, dense_kv_read_bytes, measured_read_bandwidth
+    from stages.bench.rollout_long import run_worker
+
+    assert decode_floor_tokens_per_s(4, 100.0, 300.0, 1000.0) == 10.0  # 4 tokens a step, a step 0.4 s
+    assert dense_kv_read_bytes(10, 2, 5, 3) == 10 * 2 * (5 + 1)  # steps after the prefill see 5, then 6 keys
+    assert dense_kv_read_bytes(10, 1, 5, 1) == 50  # no step after the prefill: the prompt
+    bw = measured_read_bandwidth(mib=8, repeats=2)
+    assert math.isfinite(bw) and bw > 0
+    assert run_worker({"engine": "bandwidth", "threads": 1})["bandwidth"] > 0
+
+
+def test_bench_rollout_long_generate_floors(tmp_path):
+    """The generate engine's KV: per token 2 x layers x KV heads x head dim x 4 bytes, every sample's prompt and
+    new tokens held, and a step reads the average cache (`dense_kv_read_bytes`)."""
+    from stages.bench.rollout_long import run_worker
+
+    model_dir = make_model_dir(tmp_path, "gqa")
+    cfg = load_policy(model_dir).config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    r = run_worker({"model": str(model_dir), "threads": 1, "engine": "generate", "batch": 3, "prompt": 12,
+                    "new": 5, "keep_ratio": 0.5, "interval": 4, "prefill_chunk_tokens": 16, "prefill_run": False})
+    assert r["kv_mib"] * 2**20 == per_token * 3 * (12 + 5)
+    assert r["kv_read_bytes"] == per_token * 3 * (12 + 2)

@@ -8,6 +8,13 @@ per engine, **the largest batch that fits a memory budget, found by running it**
 run's measured peak beyond the model stays within the budget, then a bisection between the last batch that fit
 and the first that did not; every probe is a whole run of the case.
 
+Beside each engine, its floors (docs/design.md §3d; `stages.bench.floors`): **KV/seq**, the KV cache the engine
+holds per sequence at its last step (smd: its slot cache's physical bytes, shared prompts once a group; generate:
+every sample's dense cache; vLLM: the cache it allocated for the batch), with `peak/KV` the measured peak over it
+(what the transients add); and **floor tok/s**, the decoding tokens/s at which a step would only read the weights
+and the KV it attends over once at the device's bandwidth (a GPU's data sheet; on the CPU measured on the bench's
+threads), with `of floor` the measured decode tokens/s over it.
+
 Engines:
 - `smd-dense`: smd's engine with the dense policy (the shadow-mask engine's own dense path);
 - `smd-snapkv`: SnapKV at `--keep-ratio`, evicting after every decoding step (the paper's rule, `interval` 1);
@@ -35,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from schemas.errors import SmdInputError
@@ -72,16 +80,20 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from schemas.params.rollout import EvictionParams
-    from stages.bench.rollout import _peak_mib, _reset_peak, hf_generate
+    from stages.bench.floors import dense_kv_read_bytes, hbm_bandwidth, measured_read_bandwidth
+    from stages.bench.rollout import _peak_mib, _reset_peak, hf_generate, kv_bytes_per_token
     from stages.common.kvcache.sampler import generate_batch
     from stages.common.model import load_policy, place_model, resolve_device
 
     torch.set_num_threads(int(spec["threads"]))
+    device = resolve_device(spec.get("device", "auto"))
+    if spec["engine"] == "bandwidth":  # the speed floor's bandwidth, on the bench's threads and device
+        return {"bandwidth": hbm_bandwidth(device) if device.type == "cuda" else measured_read_bandwidth()}
     engine, B, P, N = spec["engine"], int(spec["batch"]), int(spec["prompt"]), int(spec["new"])
     G = int(spec.get("group_size", 1))
-    device = resolve_device(spec.get("device", "auto"))
     g = torch.Generator(device="cpu").manual_seed(P)
     model_dir = Path(spec["model"])
+    kv: dict[str, float] = {}  # the timed run's KV cache bytes: held, and read by a decoding step on average
 
     if engine == "vllm":
         from stages.common import vllm_sampler
@@ -90,19 +102,31 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         # vLLM counts prompt plus output tokens against max_model_len: P + N, which a model's last position allows
         llm = vllm_sampler.VllmEngine(model_dir, spec.get("dtype", "float32"), P + N, B)
         weights = _weights_mib(model_dir)
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        cfg = json.loads((model_dir / "config.json").read_text())
+        vocab = cfg["vocab_size"]
+        weight_bytes = weights * 2**20
+        per_token = kv_bytes_per_token(SimpleNamespace(**cfg), 4)
 
         def run(prompts, new):
             llm.llm.reset_prefix_cache()
             out = llm.generate(prompts, new, None, 1.0, list(range(len(prompts))))
+            # the cache vLLM allocated for the batch; its steps read each sequence's own blocks
+            kv["held"] = vllm_sampler.kv_cache_bytes(cfg, 4, P + new, len(prompts))
+            kv["read"] = dense_kv_read_bytes(per_token, len(prompts), P, new)
             return sum(len(r.response_ids) for r in out)
         held = held_before + weights  # the model only: vLLM's cache, sized for the batch, counts as the run's
     else:
         model = place_model(load_policy(model_dir, spec.get("dtype", "float32")).eval(), device)
         vocab = model.config.vocab_size
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
         if engine == "generate":
+            per_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+
             def run(prompts, new):
+                # every sample its own dense cache (the prompt expanded), read whole by every step
+                kv["held"] = per_token * len(prompts) * (P + new)
+                kv["read"] = dense_kv_read_bytes(per_token, len(prompts), P, new)
                 return hf_generate(model, prompts, new, len(prompts))
         else:
             policy = "dense" if engine == "smd-dense" else "snapkv"
@@ -113,6 +137,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 _, stats = generate_batch(model, prompts, ev, new, eos_token_id=None,
                                           generator=torch.Generator(device="cpu").manual_seed(0),
                                           prefill_chunk_tokens=int(spec["prefill_chunk_tokens"]))
+                # the slot cache's physical bytes (shared prompts once a group): held, and read by every step
+                kv["held"] = kv["read"] = stats.cache_bytes
                 return stats.generated_tokens
         run([torch.randint(4, vocab, (WARMUP_PROMPT,), generator=g).tolist()], WARMUP_NEW)  # untimed warm-up
         held = _held_mib(device)
@@ -124,13 +150,15 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     made = run(prompts, N)
     seconds = time.perf_counter() - t0
     peak = _peak_mib(device)
+    kv_held, kv_read = kv["held"], kv["read"]
     prefill_s = float("nan")
     if spec.get("prefill_run", True):
         t0 = time.perf_counter()
         run(prompts, 1)
         prefill_s = time.perf_counter() - t0
     return {"engine": engine, "batch": B, "prompt": P, "new": N, "tokens": made, "seconds": seconds,
-            "prefill_s": prefill_s, "held_mib": held, "peak_mib": peak}
+            "prefill_s": prefill_s, "held_mib": held, "peak_mib": peak, "kv_mib": kv_held / 2**20,
+            "kv_read_bytes": kv_read, "weight_bytes": weight_bytes}
 
 
 def _weights_mib(model_dir: Path) -> float:
@@ -213,6 +241,7 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
                        print_fn=print) -> list[dict]:
     """Print the long-context table (and, with `budget_mib`, the largest-batch table at `budget_case`, default the
     first case); return the rows (module docstring). `group_size` G > 1: the GRPO workload (module docstring)."""
+    from stages.bench.floors import decode_floor_tokens_per_s
     from stages.common import vllm_sampler
 
     names = list(engines or LONG_ENGINES)
@@ -234,12 +263,16 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
             "prefill_chunk_tokens": prefill_chunk_tokens, "device": device, "dtype": dtype, "group_size": group_size}
     grouping = (f"GRPO groups of {group_size} samples a prompt (smd shares each prompt; generate expands it); "
                 if group_size > 1 else "")
+    bw = run_isolated({**base, "engine": "bandwidth"}, timeout_s)
+    bandwidth = bw["bandwidth"] if bw else float("nan")
     print_fn(f"{model_dir}, {dtype}, {threads} thread(s) per engine, each run its own process; SnapKV keep "
              f"{keep_ratio}, smd-snapkv-k interval {interval}, smd prefill chunk {prefill_chunk_tokens} tokens; "
-             f"{grouping}peak/seq = (peak - model and warm-up) / batch")
+             f"{grouping}peak/seq = (peak - model and warm-up) / batch; floors (docs/design.md §3d): KV/seq = the "
+             f"KV cache the engine holds, floor tok/s = batch / ((weights + KV a step reads) / {bandwidth / 1e9:.1f} "
+             f"GB/s)")
     print_fn(f"{'prompt':>6} {'new':>5} {'batch':>5} {'engine':>13} {'tok/s':>7} {'decode tok/s':>12} "
-             f"{'prefill s':>9} {'x smd-dense':>11} {'x vllm':>7} {'x generate':>10} {'peak/seq MiB':>12} "
-             f"{'x smd-dense':>11}")
+             f"{'floor tok/s':>11} {'of floor':>8} {'prefill s':>9} {'x smd-dense':>11} {'x vllm':>7} "
+             f"{'x generate':>10} {'peak/seq MiB':>12} {'x smd-dense':>11} {'KV/seq MiB':>10} {'peak/KV':>7}")
     rows: list[dict] = []
     for P, N in cases:
         res: dict[str, dict] = {}
@@ -252,6 +285,9 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
             decode_s = r["seconds"] - r["prefill_s"]  # not positive when a noisy neighbour slowed the prefill run
             r["decode_tokens_per_s"] = r["batch"] * (N - 1) / decode_s if decode_s > 0 else float("nan")
             r["peak_per_seq_mib"] = (r["peak_mib"] - r["held_mib"]) / r["batch"]
+            r["kv_per_seq_mib"] = r["kv_mib"] / r["batch"]
+            r["floor_tokens_per_s"] = decode_floor_tokens_per_s(r["batch"], r["weight_bytes"], r["kv_read_bytes"],
+                                                                bandwidth)
             res[e] = r
             # the table's rows wait for every engine (their ratios); a case takes 10-20 minutes an engine on one
             # CPU core, so each measurement is also said as it comes, and a stopped bench still reports
@@ -264,9 +300,11 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
                    "mem_vs_smd_dense": _ratio(r, res, "smd-dense", "peak_per_seq_mib")}
             rows.append(row)
             print_fn(f"{P:>6} {N:>5} {r['batch']:>5} {e:>13} {r['tokens_per_s']:>7.1f} "
-                     f"{r['decode_tokens_per_s']:>12.1f} {r['prefill_s']:>9.2f} {row['vs_smd_dense']:>11.2f} "
-                     f"{row['vs_vllm']:>7.2f} {row['vs_generate']:>10.2f} {r['peak_per_seq_mib']:>12.1f} "
-                     f"{row['mem_vs_smd_dense']:>11.2f}")
+                     f"{r['decode_tokens_per_s']:>12.1f} {r['floor_tokens_per_s']:>11.1f} "
+                     f"{r['decode_tokens_per_s'] / r['floor_tokens_per_s']:>8.2f} {r['prefill_s']:>9.2f} "
+                     f"{row['vs_smd_dense']:>11.2f} {row['vs_vllm']:>7.2f} {row['vs_generate']:>10.2f} "
+                     f"{r['peak_per_seq_mib']:>12.1f} {row['mem_vs_smd_dense']:>11.2f} {r['kv_per_seq_mib']:>10.1f} "
+                     f"{r['peak_per_seq_mib'] / r['kv_per_seq_mib']:>7.2f}")
     if budget_mib:
         P, N = budget_case or cases[0]
         print_fn(f"memory budget {budget_mib:.0f} MiB beyond the model, {P} + {N} tokens: the largest batch each "
