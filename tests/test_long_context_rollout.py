@@ -144,6 +144,17 @@ def test_batch_store_holds_every_layer_in_one_block_per_kind(model64, policy, sh
             assert _block_row(blocks["prompt"], layer.prompt_values) == i
 
 
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_random_drops_its_prompt_draws_after_the_prefill(model64, share, chunk):
+    """Random eviction draws each layer's prompt priorities ([B, H, P] float64) for the batch; once every row has
+    taken its own (one forward, or group by group), the policy holds none: the slots keep what decoding compares."""
+    prompts = grouped_prompts()
+    _, state, _ = _prefill(model64, prompts, _eviction("random"), share, chunk)
+    assert state.policy.prompt_draws == [None] * len(state.slots)
+    assert all(s.extra["priority"].shape[0] == len(prompts) for s in state.slots)
+
+
 def test_cache_is_freed_before_the_masks_are_built(model64, monkeypatch):
     """The per-sequence masks are as large as evict_at: when `sample_results` builds them the batch's cache (its
     store's blocks, the layers' keys, the slots) is already dropped, and evict_at is whole."""

@@ -1,4 +1,4 @@
-"""The floors a rollout bench prints beside each engine (docs/design.md §3d): the KV cache it holds, for memory,
+"""The floors a rollout bench prints beside each engine (docs/design.md §4b): the KV cache it holds, for memory,
 and the bytes a decoding step must read at the device's memory bandwidth, for speed.
 
 A decoding step reads every weight and the whole cache it attends over at least once, so no engine decodes a step

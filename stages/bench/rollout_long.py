@@ -8,7 +8,7 @@ per engine, **the largest batch that fits a memory budget, found by running it**
 run's measured peak beyond the model stays within the budget, then a bisection between the last batch that fit
 and the first that did not; every probe is a whole run of the case.
 
-Beside each engine, its floors (docs/design.md §3d; `stages.bench.floors`): **KV/seq**, the KV cache the engine
+Beside each engine, its floors (docs/design.md §4b; `stages.bench.floors`): **KV/seq**, the KV cache the engine
 holds per sequence at its last step (smd: its slot cache's physical bytes, shared prompts once a group; generate:
 every sample's dense cache; vLLM: the cache it allocated for the batch), with `peak/KV` the measured peak over it
 (what the transients add); and **floor tok/s**, the decoding tokens/s at which a step would only read the weights
@@ -267,7 +267,7 @@ def bench_rollout_long(model_dir: str | Path, cases: list[tuple[int, int]] | Non
     bandwidth = bw["bandwidth"] if bw else float("nan")
     print_fn(f"{model_dir}, {dtype}, {threads} thread(s) per engine, each run its own process; SnapKV keep "
              f"{keep_ratio}, smd-snapkv-k interval {interval}, smd prefill chunk {prefill_chunk_tokens} tokens; "
-             f"{grouping}peak/seq = (peak - model and warm-up) / batch; floors (docs/design.md §3d): KV/seq = the "
+             f"{grouping}peak/seq = (peak - model and warm-up) / batch; floors (docs/design.md §4b): KV/seq = the "
              f"KV cache the engine holds, floor tok/s = batch / ((weights + KV a step reads) / {bandwidth / 1e9:.1f} "
              f"GB/s)")
     print_fn(f"{'prompt':>6} {'new':>5} {'batch':>5} {'engine':>13} {'tok/s':>7} {'decode tok/s':>12} "

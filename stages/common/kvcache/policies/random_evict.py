@@ -24,7 +24,8 @@ class RandomPolicy(EvictionPolicy):
                              device="cpu") for _ in range(self.num_layers)]
         steps = [[torch.rand((batch * num_kv_heads,), generator=self.generator, dtype=torch.float64, device="cpu")
                   for _ in range(self.num_layers)] for _ in range(max(max_new_tokens - 1, 0))]
-        self.prompt_draws = [d.to(device) for d in prompt]
+        self.prompt_draws: list[torch.Tensor | None] = [d.to(device) for d in prompt]
+        self.prompt_rows_left = [batch] * self.num_layers
         self.step_draws = [torch.stack([s[layer] for s in steps]).to(device) if steps else None
                            for layer in range(self.num_layers)]  # per layer [steps, B * H]
         # Keys inserted so far per layer, as device tensors: no host value that changes every step (a compiled
@@ -34,6 +35,11 @@ class RandomPolicy(EvictionPolicy):
     def observe_prefill(self, layer, slots, attn, rows=None):
         draws = self.prompt_draws[layer]
         slots.extra["priority"] = draws if rows is None else draws.index_select(0, rows)
+        # The layer's prompt draws ([B, H, P] float64) are dropped once every row has taken its own: the slots
+        # keep what the decoding steps' evictions compare, and the batch's other layers need not hold them.
+        self.prompt_rows_left[layer] -= len(draws) if rows is None else len(rows)
+        if self.prompt_rows_left[layer] <= 0:
+            self.prompt_draws[layer] = None
 
     def on_insert(self, layer, slots, batch_idx, head_idx, slot_idx):
         draw = self.step_draws[layer].index_select(0, self.inserted[layer])[0]
