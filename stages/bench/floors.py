@@ -2,11 +2,11 @@
 and the bytes a decoding step must read at the device's memory bandwidth, for speed.
 
 A decoding step reads every weight and the whole cache it attends over at least once, so no engine decodes a step
-faster than (weights + KV read) / bandwidth: the memory-bound floor of LLM decoding that vLLM's and FlashInfer's
-analyses use. On a GPU the bandwidth is the data sheet's peak (`HBM_BANDWIDTH`); on the CPU it is measured here,
-a read of a buffer larger than the caches on the bench's threads (`measured_read_bandwidth`), since a core's share
-of a socket's bandwidth is on no data sheet. Where the engine runs far below its floor, it is bound by compute or
-overheads, not by the bytes its cache makes it read.
+faster than (weights + KV read) / bandwidth: the memory-bound (roofline) floor of LLM decoding. On a GPU the
+bandwidth is the data sheet's peak (`HBM_BANDWIDTH`); on the CPU it is measured here, a read of a buffer larger
+than the caches on the bench's threads (`measured_read_bandwidth`), since a core's share of a socket's bandwidth
+is on no data sheet. Where the engine runs far below its floor, it is bound by compute or overheads, not by the
+bytes its cache makes it read.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def decode_floor_tokens_per_s(batch: int, weight_bytes: float, kv_read_bytes: fl
 
 
 def dense_kv_read_bytes(per_token: int, batch: int, prompt: int, new: int) -> float:
-    """The KV bytes a dense engine's decoding steps read on average, each sequence its own cache: batch x (prompt +
-    the tokens cached so far, (new - 1) / 2 on average over the new - 1 steps that follow the prefill) x per token."""
-    return per_token * batch * (prompt + (new - 1) / 2)
+    """The KV bytes a dense engine's decoding step reads on average, each sequence its own cache: the steps after
+    the prefill feed tokens 1..new - 1, step j attending over prompt + j keys, so batch x (prompt + new / 2) x per
+    token (the prompt alone when no step follows the prefill)."""
+    return per_token * batch * (prompt + new / 2 if new > 1 else prompt)
